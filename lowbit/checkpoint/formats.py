@@ -1,0 +1,142 @@
+"""Per-format tensor conventions of the modelopt unified HF checkpoint, as pure torch.
+
+Every function here is a reference: exact unpacking, dequantization and fake quantization of activations.
+Scales are dequantization multipliers (x ~= q * scale). Shapes are written [out, in] for weights.
+"""
+import torch
+
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+INT4_MAX = 7.0
+E2M1_MAX = 6.0
+NVFP4_BLOCK = 16
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+WEIGHT_ONLY_ALGOS = {"W4A16_AWQ", "W4A16_NVFP4", "W8A16"}
+SUPPORTED_ALGOS = {"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "NVFP4", "W4A16_NVFP4", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL"}
+
+
+# ---- int4, modelopt AWQ layout: uint8 [out/2, in], row 2j in the low nibble, row 2j+1 in the high nibble
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """q: int8 [out, in] in [-8, 7] -> uint8 [out/2, in] (two's complement nibbles)."""
+    u = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return u[0::2] | (u[1::2] << 4)
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [out/2, in] -> int8 [out, in]."""
+    lo = (packed & 0xF).to(torch.int8)
+    hi = (packed >> 4).to(torch.int8)
+    lo = torch.where(lo > 7, lo - 16, lo)
+    hi = torch.where(hi > 7, hi - 16, hi)
+    return torch.stack([lo, hi], dim=1).reshape(-1, packed.shape[1])
+
+
+# ---- e2m1 (NVFP4) nibbles: uint8 [out, in/2], even element in the low nibble; nibble = sign<<3 | index
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Round already-scaled values to the nearest e2m1 code (ties to the even index), uint8 in [0, 15]."""
+    values = E2M1_VALUES.to(x.device)
+    mag = x.abs().clamp(max=E2M1_MAX).float()
+    dist = (mag.unsqueeze(-1) - values).abs()
+    idx = dist.argmin(dim=-1)  # argmin returns the first (lower, even-mantissa) index on exact ties
+    # Ties between index i and i+1 where i is odd must go to the even neighbour i+1.
+    upper = (idx + 1).clamp(max=7)
+    tie = (dist.gather(-1, upper.unsqueeze(-1)).squeeze(-1) == dist.gather(-1, idx.unsqueeze(-1)).squeeze(-1))
+    idx = torch.where(tie & (idx % 2 == 1) & (upper != idx), upper, idx)
+    sign = ((x < 0) & (idx > 0)).to(torch.uint8) << 3
+    return sign | idx.to(torch.uint8)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    values = E2M1_VALUES.to(codes.device)
+    mag = values[(codes & 0x7).long()]
+    return torch.where((codes & 0x8) != 0, -mag, mag)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., n] -> uint8 [..., n/2]."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n/2] -> uint8 codes [..., n]."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+def nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor):
+    """Block-16 NVFP4 quantization of x [..., n] (n % 16 == 0) with a given fp32 global scale (amax/(6*448)).
+
+    Returns (codes uint8 [..., n], block_scale float8_e4m3fn [..., n/16]).
+    """
+    blocks = x.float().reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
+    block_amax = blocks.abs().amax(dim=-1)
+    block_scale = (block_amax / (E2M1_MAX * global_scale)).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    denom = block_scale.float().unsqueeze(-1) * global_scale
+    scaled = torch.where(denom > 0, blocks / denom, torch.zeros_like(blocks))
+    return e2m1_codes(scaled).reshape(x.shape), block_scale
+
+
+def nvfp4_dequantize(codes: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    values = e2m1_decode(codes).reshape(*codes.shape[:-1], -1, NVFP4_BLOCK)
+    return (values * block_scale.float().unsqueeze(-1) * global_scale.float()).reshape(codes.shape)
+
+
+# ---- weights
+def dequantize_weight(algo: str, t: dict) -> torch.Tensor:
+    """The float32 weight [out, in] that a checkpoint's tensors for one linear layer stand for."""
+    w = t["weight"]
+    if algo == "FP8":
+        return w.float() * t["weight_scale"].float()
+    if algo in ("FP8_PER_CHANNEL_PER_TOKEN", "W8A8_SQ_PER_CHANNEL", "W8A16"):
+        return w.float() * t["weight_scale"].float().reshape(-1, 1)
+    if algo in ("NVFP4", "W4A16_NVFP4"):
+        return nvfp4_dequantize(unpack_e2m1(w), t["weight_scale"], t["weight_scale_2"])
+    if algo == "W4A16_AWQ":
+        q = unpack_int4_rows(w).float()
+        scale = t["weight_scale"].float()  # [out, in/group]
+        group = q.shape[1] // scale.shape[1]
+        return q * scale.repeat_interleave(group, dim=1)
+    raise ValueError(f"unsupported quant_algo {algo!r}")
+
+
+# ---- activations (fake quantization: quantize and dequantize again)
+def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+
+
+def fake_quant_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return fake_quant_fp8(x, scale)
+
+
+def fake_quant_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale
+
+
+def fake_quant_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    codes, block_scale = nvfp4_quantize(x, global_scale)
+    return nvfp4_dequantize(codes, block_scale, global_scale)
+
+
+def quantize_activation(algo: str, x: torch.Tensor, t: dict) -> torch.Tensor:
+    """x [..., in] as the format's kernels see it: pre_quant_scale applied, then the activation quantizer."""
+    if "pre_quant_scale" in t:
+        x = x * t["pre_quant_scale"].to(x.dtype)
+    if algo == "FP8":
+        return fake_quant_fp8(x, t["input_scale"].float()).to(x.dtype)
+    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+        return fake_quant_fp8_per_token(x).to(x.dtype)
+    if algo == "W8A8_SQ_PER_CHANNEL":
+        return fake_quant_int8(x, t["input_scale"].float()).to(x.dtype)
+    if algo == "NVFP4":
+        return fake_quant_nvfp4(x, t["input_scale"].float()).to(x.dtype)
+    return x  # weight-only formats
+
+
+def reference_linear(algo: str, x: torch.Tensor, t: dict, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = Q(x) @ W^T (+ bias), computed in float32 and returned in x's dtype."""
+    xq = quantize_activation(algo, x, t).float()
+    y = xq @ dequantize_weight(algo, t).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,122 @@
+"""Contract 1: a recipe says what to quantize and how. One flat YAML file -> a frozen, validated dataclass."""
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from lowbit.errors import UserError
+
+RECIPE_DIR = Path(__file__).parent / "recipes"
+QUANT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "NVFP4", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL")
+KV_ALGOS = ("FP8",)
+ALGORITHMS = ("max", "awq_lite", "smoothquant", "rtn")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    data: str = "builtin:boolq"  # builtin:boolq | builtin:lambada | a .jsonl/.txt file | a datasets id
+    num_samples: int = 64  # sequences of seq_len tokens
+    seq_len: int = 512
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    quant_algo: str  # the checkpoint's quant_algo, FORMATS.md
+    description: str = ""
+    kv_cache: str | None = None  # FP8: calibrated k_scale/v_scale for every layer
+    algorithm: str = "max"  # calibration algorithm
+    algorithm_args: dict = field(default_factory=dict)  # e.g. {alpha: 0.5} for smoothquant
+    group_size: int | None = None  # block/group size of weight scales where the format has one
+    exclude: tuple = ("lm_head",)  # fnmatch patterns of module names left unquantized
+    calibration: Calibration = Calibration()
+    gate: dict = field(default_factory=dict)  # default thresholds for `lowbit eval --gate`
+    source: str = ""  # the file it was read from
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        d["exclude"] = list(self.exclude)
+        return d
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+
+
+def recipe_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise UserError(f"recipe file {name_or_path} does not exist")
+        return path
+    path = RECIPE_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise UserError(f"unknown recipe {name_or_path!r}; available: {', '.join(available())}")
+    return path
+
+
+def load_recipe(name_or_path: str) -> Recipe:
+    path = recipe_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" line {where.line + 1}" if where else ""
+        raise UserError(f"{path}:{line} malformed YAML: {getattr(e, 'problem', e)}") from e
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: a recipe must be a YAML mapping, got {type(data).__name__}")
+    return recipe_from_dict(data, source=str(path))
+
+
+def recipe_from_dict(data: dict, source: str = "<dict>") -> Recipe:
+    data = dict(data)
+    _check_keys(data, Recipe, source, skip={"source"})
+    calib = data.pop("calibration", None) or {}
+    if not isinstance(calib, dict):
+        raise UserError(f"{source}: 'calibration' must be a mapping")
+    _check_keys(calib, Calibration, source, prefix="calibration.")
+    if "exclude" in data:
+        data["exclude"] = tuple(data["exclude"] or ())
+    for key in ("name", "quant_algo"):
+        if key not in data:
+            raise UserError(f"{source}: missing required key '{key}'")
+    recipe = Recipe(**data, calibration=Calibration(**calib), source=source)
+    validate(recipe)
+    return recipe
+
+
+def _check_keys(data: dict, cls, source: str, prefix: str = "", skip=frozenset()) -> None:
+    known = {f.name for f in dataclasses.fields(cls)} - set(skip)
+    for key in data:
+        if key not in known:
+            raise UserError(f"{source}: unknown key '{prefix}{key}' (known: {', '.join(sorted(known))})")
+
+
+def validate(r: Recipe) -> None:
+    def bad(key, msg):
+        raise UserError(f"{r.source}: bad value for '{key}': {msg}")
+
+    if r.quant_algo not in QUANT_ALGOS:
+        bad("quant_algo", f"{r.quant_algo!r} is not one of {', '.join(QUANT_ALGOS)}")
+    if r.kv_cache is not None and r.kv_cache not in KV_ALGOS:
+        bad("kv_cache", f"{r.kv_cache!r} is not one of {', '.join(KV_ALGOS)} or null")
+    if r.algorithm not in ALGORITHMS:
+        bad("algorithm", f"{r.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
+    if not isinstance(r.algorithm_args, dict):
+        bad("algorithm_args", "must be a mapping")
+    if r.group_size is not None and (not isinstance(r.group_size, int) or r.group_size <= 0):
+        bad("group_size", f"{r.group_size!r} is not a positive integer")
+    if not all(isinstance(p, str) for p in r.exclude):
+        bad("exclude", "must be a list of module-name patterns")
+    c = r.calibration
+    for key in ("num_samples", "seq_len"):
+        value = getattr(c, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            bad(f"calibration.{key}", f"{value!r} is not a positive integer")
+    if not isinstance(c.seed, int):
+        bad("calibration.seed", f"{c.seed!r} is not an integer")
+    if not isinstance(r.gate, dict):
+        bad("gate", "must be a mapping of threshold names to numbers")
