@@ -1,0 +1,215 @@
+"""Weight-only 4-bit GEMM: INT4 (modelopt W4A16_AWQ) and NVFP4 (e2m1 + e4m3 block-16 scales) weights, 16-bit x.
+
+Kernel layout (built once at load by pack_int4 / pack_nvfp4; the on-disk layout stays modelopt's):
+- qweight int32 [N, KP/8], KP = K rounded up to PACK_K = 128 (padding holds zeros). Each 128-wide K tile of a row is
+  16 words; nibble s of word j holds element k = 16*s + j of the tile, so `(words >> 4*s) & 0xF` is a [BN, 16]
+  slice of 16 consecutive k: one tl.dot operand, and for NVFP4 exactly one scale block.
+- INT4: nibble = q + 8 (q in [-8, 7]); scales fp32 [KP/group, N] (transposed: one contiguous row per group).
+- NVFP4: nibble = e2m1 code; scales float8_e4m3fn [KP/16, N]; global_scale = weight_scale_2 as a Python float.
+The kernel computes out^T tiles (acc [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T) so that small M sits in the MMA's
+N dimension; it splits K across programs when there are too few N blocks to fill the GPU (decode).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lowbit.checkpoint.formats import NVFP4_BLOCK, nvfp4_dequantize, unpack_e2m1, unpack_int4_rows
+from lowbit.kernels._triton import cdiv, kernel, next_pow2, tl, use_triton
+
+PACK_K = 128
+NUM_SMS = 132  # H200; only steers the split-K heuristic
+
+
+@dataclass
+class W4Weight:
+    fmt: str  # "int4" or "nvfp4"
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    out_features: int
+    in_features: int
+    group: int  # int4 group size along K; 16 for nvfp4
+    global_scale: float = 1.0
+    smooth: torch.Tensor | None = None  # pre_quant_scale [K], applied to x (rounded to x's dtype) before the GEMM
+
+
+# ---- packing (torch, once at load)
+def _interleave(u: torch.Tensor) -> torch.Tensor:
+    """uint8 nibbles [N, KP] -> int32 [N, KP/8] in the tile-interleaved order described above."""
+    n, kp = u.shape
+    u = u.reshape(n, kp // PACK_K, 8, 16).to(torch.int64)
+    words = sum(u[:, :, s, :] << (4 * s) for s in range(8))
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32).reshape(n, kp // 8).contiguous()
+
+
+def _deinterleave(words: torch.Tensor) -> torch.Tensor:
+    n, kp = words.shape[0], words.shape[1] * 8
+    w = words.reshape(n, kp // PACK_K, 1, 16).to(torch.int64) & 0xFFFFFFFF
+    shifts = (4 * torch.arange(8, device=words.device)).reshape(1, 1, 8, 1)
+    return ((w >> shifts) & 0xF).to(torch.uint8).reshape(n, kp)
+
+
+def _pad_k(t: torch.Tensor, kp: int, value: int) -> torch.Tensor:
+    return F.pad(t, (0, kp - t.shape[1]), value=value)
+
+
+def int4_group(weight, weight_scale) -> int:
+    """The group size of modelopt W4A16_AWQ tensors: in_features / number of scale columns."""
+    k, groups = weight.shape[1], weight_scale.shape[1]
+    if k % groups:
+        raise ValueError(f"in_features {k} is not a multiple of the {groups} scale groups")
+    return k // groups
+
+
+def int4_group_supported(group: int) -> bool:
+    """The kernel applies one scale per 16-wide K slice and per 128-wide tile at most."""
+    return group % 16 == 0 and (PACK_K % group == 0 or group % PACK_K == 0)
+
+
+def pack_int4(weight, weight_scale, pre_quant_scale=None) -> W4Weight:
+    """modelopt W4A16_AWQ tensors (uint8 [N/2, K], fp32 [N, K/group]) -> W4Weight."""
+    group = int4_group(weight, weight_scale)
+    if not int4_group_supported(group):
+        raise ValueError(f"group size {group} is not supported by the W4 kernel (need 16 | g and g | 128 or 128 | g)")
+    q = unpack_int4_rows(weight)  # int8 [N, K]
+    n, k = q.shape
+    kp = cdiv(k, PACK_K) * PACK_K
+    u = _pad_k((q.to(torch.int16) + 8).to(torch.uint8), kp, 8)
+    scales = _pad_k(weight_scale.float(), cdiv(kp, group), 0).t().contiguous()
+    return W4Weight("int4", _interleave(u), scales, n, k, group, 1.0, pre_quant_scale)
+
+
+def pack_nvfp4(weight, weight_scale, weight_scale_2, pre_quant_scale=None) -> W4Weight:
+    """modelopt NVFP4 tensors (uint8 [N, K/2], e4m3 [N, K/16], fp32 scalar) -> W4Weight."""
+    codes = unpack_e2m1(weight)
+    n, k = codes.shape
+    kp = cdiv(k, PACK_K) * PACK_K
+    scales = _pad_k(weight_scale.view(torch.uint8), kp // NVFP4_BLOCK, 0).t().contiguous()
+    return W4Weight("nvfp4", _interleave(_pad_k(codes, kp, 0)), scales.view(torch.float8_e4m3fn), n, k,
+                    NVFP4_BLOCK, float(weight_scale_2), pre_quant_scale)
+
+
+def dequantize_w4(w: W4Weight) -> torch.Tensor:
+    """The fp32 weight [N, K] a W4Weight stands for (read back from the kernel layout)."""
+    u = _deinterleave(w.qweight)[:, : w.in_features]
+    scales = w.scales.t()
+    if w.fmt == "int4":
+        s = scales[:, : w.in_features // w.group].float().repeat_interleave(w.group, dim=1)
+        return (u.float() - 8) * s
+    block_scale = scales[:, : w.in_features // NVFP4_BLOCK]
+    return nvfp4_dequantize(u, block_scale, torch.tensor(w.global_scale))
+
+
+def w4a16_gemm_ref(x, w: W4Weight, bias=None):
+    """x [M, K] bf16/fp16 -> [M, N] in x's dtype; fp32 math."""
+    if w.smooth is not None:
+        x = x * w.smooth.to(x.dtype)
+    y = x.float() @ dequantize_w4(w).to(x.device).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+# ---- kernel
+@kernel
+def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K, KP, tiles_per_split, global_scale,
+                    IS_FP4: tl.constexpr, X_BF16: tl.constexpr, GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = tl.arange(0, 16)
+    n_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: weight loads need no mask, stores are masked
+    m_rows = tl.minimum(offs_m, M - 1).to(tl.int64)
+    w_ptrs = w_ptr + n_rows[:, None] * (KP // 8) + j[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, KP // 128)
+    for t in range(t_begin, t_end):
+        words = tl.load(w_ptrs + t * 16)  # [BLOCK_N, 16] int32 = 128 nibbles of each row
+        part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for s in tl.static_range(8):
+            k = t * 128 + s * 16 + j
+            xs = tl.load(x_ptr + m_rows[None, :] * K + k[:, None], mask=k[:, None] < K, other=0.0)  # [16, BM]
+            if HAS_SMOOTH:
+                sm = tl.load(smooth_ptr + k, mask=k < K, other=0.0).to(xs.dtype).to(tl.float32)
+                xs = (xs.to(tl.float32) * sm[:, None]).to(xs.dtype)
+            nib = (words >> (4 * s)) & 0xF
+            if IS_FP4:
+                # e2m1 code -> fp16 bits (sign, 2 exponent bits, 1 mantissa bit) = value * 2**-14, exact;
+                # times the e4m3 block scale is still exact in fp16. global_scale carries the 2**14 back.
+                bits = ((nib & 7) << 9) | ((nib & 8) << 12)
+                w = bits.to(tl.int16).to(tl.float16, bitcast=True)
+                sc = tl.load(s_ptr + (t * 8 + s) * N + n_rows).to(tl.float16)
+                acc = tl.dot(w * sc[:, None], xs.to(tl.float16), acc)
+            else:
+                # nibble u = q + 8 -> (magic | u) as a 16-bit float is magic_value + u, exact; subtract magic + 8
+                if X_BF16:
+                    w = ((nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0).to(tl.bfloat16)
+                else:
+                    w = ((nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0).to(tl.float16)
+                part = tl.dot(w, xs, part)
+                if (s + 1) % (min(GROUP, 128) // 16) == 0:
+                    sc = tl.load(s_ptr + ((t * 128 + s * 16) // GROUP) * N + n_rows)
+                    acc += part * sc[:, None]
+                    part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    out = acc * global_scale
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n_rows).to(tl.float32)[:, None]
+    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    out_ptrs = out_ptr + pid_k * M * N + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@kernel
+def _split_sum_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def choose_config(M: int, N: int, KP: int):
+    """(BLOCK_M, BLOCK_N, split, num_warps, num_stages) for the W4 kernel; see docs/kernels_notes.md."""
+    tiles = KP // PACK_K
+    if M <= 64:
+        block_m, block_n = max(16, next_pow2(M)), 128
+        programs = cdiv(N, block_n)
+        split = max(1, min(tiles // 4, cdiv(2 * NUM_SMS, programs)))
+        return block_m, block_n, split, 4, 3
+    return (64 if M <= 128 else 128), 128, 1, 8, 3
+
+
+def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
+    """x [M, K] bf16/fp16 -> [M, N] in x's dtype."""
+    if not use_triton(x):
+        return w4a16_gemm_ref(x, w, bias)
+    x = x.contiguous()
+    M, K = x.shape
+    N, KP = w.out_features, w.qweight.shape[1] * 8
+    block_m, block_n, split, warps, stages = config or choose_config(M, N, KP)
+    tiles = KP // PACK_K
+    tiles_per_split = cdiv(tiles, split)
+    split = cdiv(tiles, tiles_per_split)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    grid = (cdiv(N, block_n), split, cdiv(M, block_m))
+    _w4_gemm_kernel[grid](
+        x, w.qweight, w.scales, w.smooth if w.smooth is not None else x, bias if bias is not None else x,
+        target, M, N, K, KP, tiles_per_split, w.global_scale * (2.0**14 if w.fmt == "nvfp4" else 1.0),
+        IS_FP4=w.fmt == "nvfp4", X_BF16=x.dtype == torch.bfloat16, GROUP=w.group,
+        HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None and split == 1,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(cdiv(M * N, block),)](target, bias if bias is not None else target, out, M * N, N,
+                                                 SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out

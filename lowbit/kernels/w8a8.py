@@ -1,0 +1,44 @@
+"""W8A8 linear layers: FP8 (per-tensor static, or per-channel weights with dynamic per-token activations) and
+INT8 SmoothQuant (smoothing + static per-tensor or dynamic per-token int8 activations, per-channel weights).
+
+Activations are quantized by one fused Triton pass (act_quant), then
+- FP8: torch._scaled_mm (cuBLASLt) with per-tensor or row-wise scales, or the Triton scaled GEMM where it cannot run;
+- INT8: the Triton int8 GEMM with a per-token x per-channel epilogue (scaled_gemm).
+"""
+import torch
+
+from lowbit.kernels.act_quant import act_quant, act_quant_ref
+from lowbit.kernels.scaled_gemm import scaled_gemm, scaled_gemm_ref
+
+
+def scaled_mm_applies(q: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._scaled_mm needs an fp8-capable GPU (sm_89+) and K, N multiples of 16."""
+    return (q.is_cuda and q.dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability(q.device) >= (8, 9)
+            and q.shape[1] % 16 == 0 and w.shape[0] % 16 == 0)
+
+
+def scaled_mm(q, w, scale_a, scale_b, bias, out_dtype):
+    """q [M, K] fp8, w [N, K] fp8; scale_a [] or [M, 1]; scale_b [] or [N]."""
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        return torch._scaled_mm(q, w.t(), scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()),
+                                bias=bias.to(out_dtype) if bias is not None else None, out_dtype=out_dtype)
+    m, n = q.shape[0], w.shape[0]
+    sa = scale_a.float().expand(m, 1).contiguous()
+    sb = scale_b.float().reshape(1, -1).expand(1, n).contiguous()
+    y = torch._scaled_mm(q, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)  # row-wise needs bf16 out
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(out_dtype)
+
+
+def w8a8_linear_ref(x, w, w_scale, input_scale=None, smooth=None, bias=None):
+    """x [M, K] bf16/fp16; w [N, K] float8_e4m3fn or int8; w_scale fp32 [] or [N]; input_scale fp32 [] or None."""
+    q, sa = act_quant_ref(x, w.dtype, input_scale, smooth)
+    return scaled_gemm_ref(q, w, sa, w_scale, bias, x.dtype)
+
+
+def w8a8_linear(x, w, w_scale, input_scale=None, smooth=None, bias=None):
+    q, sa = act_quant(x, w.dtype, input_scale, smooth)
+    if scaled_mm_applies(q, w):
+        return scaled_mm(q, w, sa, w_scale, bias, x.dtype)
+    return scaled_gemm(q, w, sa, w_scale, bias, x.dtype)

@@ -1,0 +1,82 @@
+"""RMSNorm(+residual), rotary and SiLU-and-mul: Triton kernels (CPU interpreter) against their torch references."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede triton's first import; see lowbit/kernels/_triton.py
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+pytest.importorskip("triton")
+
+from lowbit.kernels._triton import interpreting  # noqa: E402
+from lowbit.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from lowbit.kernels.norm import rms_norm_ref, rms_norm_triton  # noqa: E402
+from lowbit.kernels.rotary import rotary_ref, rotary_triton  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(with_residual):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 200, generator=g).half()
+    res = torch.randn(6, 200, generator=g).half() if with_residual else None
+    w = (1 + 0.1 * torch.randn(200, generator=g)).half()
+    out, new_res = rms_norm_triton(x, w, 1e-6, res)
+    ref, ref_res = rms_norm_ref(x, w, 1e-6, res)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert rel_err(out, ref) < 2e-3
+    assert torch.equal(new_res, ref_res)
+
+
+def test_rms_norm_ref_matches_hf_llama_formula():
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    w = torch.rand(64, dtype=torch.bfloat16)
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    hf = w * (x.float() * torch.rsqrt(var + 1e-5)).to(torch.bfloat16)
+    out, res = rms_norm_ref(x, w, 1e-5)
+    assert torch.equal(out, hf) and res is x
+
+
+def _cos_sin_cache(max_pos, head_dim, base=10000.0):
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = torch.outer(torch.arange(max_pos).float(), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def test_rotary_ref_matches_hf_rotate_half():
+    t, h, d = 5, 3, 16
+    q = torch.randn(t, h, d)
+    pos = torch.tensor([0, 3, 7, 1, 9])
+    cache = _cos_sin_cache(16, d)
+    cos = torch.cat([cache[pos, : d // 2]] * 2, dim=-1)[:, None]
+    sin = torch.cat([cache[pos, d // 2:]] * 2, dim=-1)[:, None]
+    rotate_half = torch.cat([-q[..., d // 2:], q[..., : d // 2]], dim=-1)
+    q_out, _ = rotary_ref(q, q, pos, cache)
+    assert torch.allclose(q_out, q * cos + rotate_half * sin, atol=1e-6)
+
+
+def test_rotary_matches_reference_with_flat_and_3d_heads():
+    g = torch.Generator().manual_seed(2)
+    t, hq, hk, d = 7, 4, 2, 32
+    q = torch.randn(t, hq * d, generator=g).half()
+    k = torch.randn(t, hk, d, generator=g).half()
+    pos = torch.randint(0, 64, (t,), generator=g)
+    cache = _cos_sin_cache(64, d)
+    q_out, k_out = rotary_triton(q, k, pos, cache)
+    q_ref, k_ref = rotary_ref(q, k, pos, cache)
+    assert q_out.shape == q.shape and k_out.shape == k.shape
+    assert rel_err(q_out, q_ref) < 2e-3 and rel_err(k_out, k_ref) < 2e-3
+
+
+def test_silu_and_mul_matches_reference():
+    x = torch.randn(2, 3, 2 * 1500, generator=torch.Generator().manual_seed(3)).half()
+    out = silu_and_mul_triton(x)
+    assert out.shape == (2, 3, 1500)
+    assert rel_err(out, silu_and_mul_ref(x)) < 2e-3
