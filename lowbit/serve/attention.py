@@ -1,0 +1,94 @@
+"""Paged attention over one KV tensor per layer, behind a two-function backend (store K/V, attend).
+
+kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim], in the model dtype or float8_e4m3fn. With FP8, the
+stored value is k / k_scale (v / v_scale), the checkpoint's per-layer scalars. The torch reference below runs
+everywhere; a GPU backend (Triton, issue 7) replaces it by implementing the same two functions.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowbit.checkpoint.formats import FP8_MAX
+from lowbit.serve.context import StepContext
+
+
+class TorchAttentionBackend:
+    """Reference: scatter K/V into slots, then per sequence gather its blocks and run SDPA with a causal offset."""
+
+    @staticmethod
+    def store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale) -> None:
+        """k, v [T, Hk, D] -> kv_cache[:, slot // block_size, slot % block_size]."""
+        flat = _bits(kv_cache).view(2, -1, *kv_cache.shape[-2:])  # index_copy_ has no float8 kernel on CPU
+        flat[0].index_copy_(0, slot_mapping, _bits(_quantize(k, k_scale, kv_cache.dtype)))
+        flat[1].index_copy_(0, slot_mapping, _bits(_quantize(v, v_scale, kv_cache.dtype)))
+
+    @staticmethod
+    def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale) -> torch.Tensor:
+        """q [T, Hq, D] -> out [T, Hq, D]: each new token attends to its sequence's keys up to its own position."""
+        block_size = kv_cache.shape[2]
+        out = torch.empty_like(q)
+        start = 0
+        for b, (n, ctx_len) in enumerate(zip(ctx.query_lens_cpu, ctx.context_lens_cpu)):
+            blocks = ctx.block_tables[b, :(ctx_len + block_size - 1) // block_size]
+            k = _dequantize(_gather(kv_cache[0], blocks, ctx_len), k_scale, q.dtype)
+            v = _dequantize(_gather(kv_cache[1], blocks, ctx_len), v_scale, q.dtype)
+            qb = q[start:start + n].transpose(0, 1)  # [Hq, n, D]
+            mask = None
+            if n > 1:  # query i sits at position ctx_len - n + i
+                mask = torch.ones(n, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - n)
+            o = F.scaled_dot_product_attention(qb, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                               scale=scale, enable_gqa=True)
+            out[start:start + n] = o.transpose(0, 1)
+            start += n
+        return out
+
+
+def _bits(x):
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
+
+
+def _gather(cache, blocks, n):
+    """cache [num_blocks, block_size, Hk, D], blocks [b] -> the first n tokens [n, Hk, D]."""
+    return _bits(cache)[blocks].flatten(0, 1)[:n].view(cache.dtype)
+
+
+def _quantize(x, scale, dtype):
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def _dequantize(x, scale, dtype):
+    if x.dtype != torch.float8_e4m3fn:
+        return x
+    return (x.float() * scale).to(dtype)
+
+
+_backend = TorchAttentionBackend()
+
+
+def set_attention_backend(backend) -> None:
+    """Install a backend with store_kv/attend of the signatures above (e.g. Triton kernels on the GPU)."""
+    global _backend
+    _backend = backend
+
+
+class Attention(nn.Module):
+    """Stores this step's K/V into the layer's cache, then attends over the cache (including them)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.kv_cache: torch.Tensor | None = None  # assigned by the ModelRunner
+        self.k_scale = torch.tensor(1.0)  # float32 scalars, used only with an FP8 cache
+        self.v_scale = torch.tensor(1.0)
+
+    def forward(self, q, k, v, ctx: StepContext) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hk*D] -> [T, Hq*D]."""
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        _backend.store_kv(k, v, self.kv_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
+        return _backend.attend(q, self.kv_cache, ctx, self.scale, self.k_scale, self.v_scale).reshape(t, -1)

@@ -1,0 +1,126 @@
+"""Paged KV blocks: allocation with reference counts and prefix reuse by hash-chained full blocks. Torch-free.
+
+A block is reusable once it is full AND its K/V are computed (`commit`). A freed block keeps its hash and stays
+findable until the free list hands it out again (least recently freed first), so a recomputed or repeated
+prefix finds it.
+"""
+from collections import OrderedDict
+
+from lowbit.serve.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((prev_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+        self.num_queried_tokens = 0  # prompt tokens looked up at admission (for the prefix hit rate)
+        self.num_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block_id
+
+    # ---- admission: prefix match, then blocks for the first chunk
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached block ids for the longest computed prefix of seq; never the block holding its last token."""
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
+            return []
+        matched, prev = [], None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = tuple(seq.block(i))
+            prev = chain_hash(prev, tokens)
+            block_id = self.hash_to_block_id.get(prev)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            matched.append(block_id)
+        return matched
+
+    def can_allocate(self, seq: Sequence, matched: list[int], num_new_tokens: int) -> bool:
+        num_cached = len(matched) * self.block_size
+        needed = self._blocks_for(num_cached + num_new_tokens) - len(matched)
+        revived = sum(1 for b in matched if self.blocks[b].ref_count == 0)  # leave the free list when reused
+        return needed <= self.num_free_blocks - revived
+
+    def allocate(self, seq: Sequence, matched: list[int], num_new_tokens: int) -> None:
+        assert not seq.block_table
+        for block_id in matched:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+        seq.block_table = list(matched)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(matched) * self.block_size
+        seq.num_hashed_blocks = len(matched)
+        self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += seq.num_cached_tokens
+        self.append(seq, num_new_tokens)
+
+    # ---- growth while running
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        needed = self._blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return needed <= self.num_free_blocks
+
+    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        needed = self._blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
+
+    def commit(self, seq: Sequence) -> None:
+        """Make the full, computed blocks of seq findable by later prefixes."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        for i in range(seq.num_hashed_blocks, full):
+            prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
+            block = self.blocks[seq.block_table[i]]
+            block.token_ids = tuple(seq.block(i))
+            block.hash = chain_hash(prev, block.token_ids)
+            self.hash_to_block_id.setdefault(block.hash, block.block_id)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    def deallocate(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):  # tail blocks first: they are evicted before shared heads
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = 0

@@ -1,0 +1,33 @@
+"""Engine settings: a few knobs, with the defaults a user gets from `lowbit serve NAME`."""
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class EngineConfig:
+    max_batch_size: int = 64  # sequences in flight
+    max_num_tokens: int = 2048  # tokens computed per step (prefill chunks + decodes)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped by the KV pool
+    kv_cache_fraction: float | None = None  # of free memory (GPU, after weights; default 0.9) or of available RAM (CPU; default 0.05)
+    num_kv_blocks: int | None = None  # an exact pool size; overrides kv_cache_fraction
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"  # auto: the checkpoint's; or float32 / bfloat16 / float16
+    device: str = "auto"  # auto: cuda when available, else cpu
+    seed: int = 0  # seeds requests that give no seed of their own
+
+    def __post_init__(self):
+        positive = ["max_batch_size", "max_num_tokens", "block_size"]
+        for name in positive + ["max_model_len", "num_kv_blocks"]:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown engine settings {unknown}; known: {sorted(known)}")
+        return cls(**values)

@@ -1,0 +1,44 @@
+"""Incremental detokenization and stop strings for one sequence.
+
+Decodes a short window of ids at a time (a few prompt tokens as left context, so that a leading space or a
+multi-byte character split across tokens comes out right) and holds back text that could still become a stop
+string, so that a stop string never reaches a client.
+"""
+CONTEXT_TOKENS = 6
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.num_emitted = 0  # characters of self.text already returned by take()
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> bool:
+        """Appends a token; returns True when the text now contains a stop string (it is cut off there)."""
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return False  # an incomplete character: wait for the next token
+        delta = after[len(before):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        start = max(0, len(self.text) - self.holdback)
+        self.text += delta
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+        return bool(hits)
+
+    def take(self, finished: bool) -> str:
+        """New text that is safe to send: all of it when finished, else all but the stop-string holdback."""
+        end = len(self.text) if finished else max(self.num_emitted, len(self.text) - self.holdback)
+        out = self.text[self.num_emitted:end]
+        self.num_emitted = end
+        return out

@@ -1,0 +1,197 @@
+"""The engine loop: add requests, then `step()` = schedule -> run the model -> sample -> detokenize -> outputs."""
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lowbit import checkpoint, models
+from lowbit.serve.block_manager import BlockManager
+from lowbit.serve.config import EngineConfig
+from lowbit.serve.detokenizer import Detokenizer
+from lowbit.serve.metrics import EngineMetrics
+from lowbit.serve.model_runner import ModelRunner
+from lowbit.serve.outputs import CompletionOutput, RequestOutput
+from lowbit.serve.sampler import Sampler, top_logprobs
+from lowbit.serve.sampling_params import SamplingParams
+from lowbit.serve.scheduler import Batch, Scheduler
+from lowbit.serve.sequence import Sequence
+
+
+@dataclass
+class Request:
+    seq: Sequence
+    prompt: str | None
+    detokenizer: Detokenizer
+    generator: torch.Generator
+    max_tokens: int
+    arrival: float = field(default_factory=time.monotonic)
+    last_token_time: float | None = None
+    num_sent_tokens: int = 0  # completion tokens already reported in a RequestOutput
+
+
+class Engine:
+    def __init__(self, model: str | Path, config: EngineConfig | None = None):
+        from transformers import AutoTokenizer
+
+        self.config = config or EngineConfig()
+        self.path = models.resolve(str(model))
+        self.name = str(model)
+        ckpt = checkpoint.read(self.path)
+        self.runner = ModelRunner(ckpt, self.config)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        Sequence.block_size = self.config.block_size
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_num_tokens)
+        limits = [ckpt.config.get("max_position_embeddings", 4096), self.runner.num_blocks * self.config.block_size]
+        self.max_model_len = min(limits + ([self.config.max_model_len] if self.config.max_model_len else []))
+        self.eos_token_ids = _eos_token_ids(self.path, ckpt.config, self.tokenizer)
+        self.sampler = Sampler()
+        self.metrics = EngineMetrics()
+        self.requests: dict[str, Request] = {}
+        self._seed = random.Random(self.config.seed)
+
+    # ---- requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Raises ValueError for a bad prompt (empty, out-of-vocabulary ids, too long)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
+        vocab = self.runner.model.config["vocab_size"]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= i < vocab for i in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
+                             "tokens, including at least one to generate")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        seed = params.seed if params.seed is not None else self._seed.getrandbits(63)
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        seq = Sequence(ids, params, request_id)
+        self.requests[request_id] = Request(seq, text, Detokenizer(self.tokenizer, ids, params.stop), generator,
+                                            max_tokens)
+        self.metrics.prompt_tokens += len(ids)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.seq.is_finished:
+            self.scheduler.finish(request.seq, "abort")
+            self.metrics.on_finish("abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        rows = [self._logit_rows(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        logits = self.runner.run(batch, rows)
+        last_rows = self._record_prompt_logprobs(batch, rows, logits)
+        self.scheduler.update(batch)
+        sampled = [(s, r) for s, r in zip(batch.seqs, last_rows) if r is not None]
+        changed = [s for s, _ in sampled if self.requests[s.request_id].max_tokens == 0]
+        for seq in changed:
+            self._finish(seq, "length")
+        sampled = [(s, r) for s, r in sampled if not s.is_finished]
+        if sampled:
+            reqs = [self.requests[s.request_id] for s, _ in sampled]
+            tokens, logprobs = self.sampler(logits[[r for _, r in sampled]], [s.params for s, _ in sampled],
+                                            [q.generator for q in reqs])
+            for (seq, _), token, lp in zip(sampled, tokens, logprobs):
+                self._append(seq, token, lp)
+                changed.append(seq)
+        self.metrics.on_step(len(sampled))
+        return [self._output(s) for s in changed]
+
+    def _logit_rows(self, seq: Sequence, n: int) -> list[int]:
+        samples = seq.num_computed_tokens + n == seq.num_tokens
+        if seq.wants_prompt_logprobs and seq.num_computed_tokens < seq.num_prompt_tokens:
+            return list(range(n))
+        return [n - 1] if samples else []
+
+    def _record_prompt_logprobs(self, batch: Batch, rows: list[list[int]], logits: torch.Tensor) -> list[int | None]:
+        """Stores prompt logprobs; returns per sequence the logits row to sample from (None: no sampling)."""
+        last_rows, offset = [], 0
+        for seq, n, r in zip(batch.seqs, batch.num_new_tokens, rows):
+            start = seq.num_computed_tokens
+            if seq.wants_prompt_logprobs and r:
+                lp = logits[offset:offset + len(r)].log_softmax(-1)
+                targets = [p + 1 for p in range(start, start + n)]
+                keep = [j for j, t in enumerate(targets) if t < seq.num_prompt_tokens and len(seq.prompt_logprobs) <= t]
+                if keep:
+                    ids = torch.tensor([seq.token_ids[targets[j]] for j in keep], device=lp.device)
+                    seq.prompt_logprobs += top_logprobs(lp[keep], ids, seq.params.prompt_logprobs)
+            samples = start + n == seq.num_tokens
+            last_rows.append(offset + len(r) - 1 if samples else None)
+            offset += len(r)
+        return last_rows
+
+    def _append(self, seq: Sequence, token: int, logprob) -> None:
+        request = self.requests[seq.request_id]
+        now = time.monotonic()
+        if request.last_token_time is None:
+            self.metrics.ttft.observe(now - request.arrival)
+        else:
+            self.metrics.itl.observe(now - request.last_token_time)
+        request.last_token_time = now
+        seq.append_token(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        p = seq.params
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            self._finish(seq, "stop")
+        elif request.detokenizer.add(token):
+            self._finish(seq, "stop")
+        elif seq.num_completion_tokens >= request.max_tokens:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.metrics.on_finish(reason)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        request = self.requests[seq.request_id]
+        finished = seq.is_finished
+        new = slice(request.num_sent_tokens, seq.num_completion_tokens)
+        request.num_sent_tokens = seq.num_completion_tokens
+        delta_text = request.detokenizer.take(finished)
+        logprobs = seq.logprobs if seq.params.logprobs is not None else None
+        completion = CompletionOutput(0, request.detokenizer.text if finished else
+                                      request.detokenizer.text[:request.detokenizer.num_emitted],
+                                      seq.completion_token_ids, logprobs, seq.finish_reason)
+        if finished:
+            del self.requests[seq.request_id]
+        return RequestOutput(seq.request_id, request.prompt, seq.token_ids[:seq.num_prompt_tokens],
+                             seq.prompt_logprobs if seq.wants_prompt_logprobs else None, [completion], finished,
+                             delta_text, seq.completion_token_ids[new], (logprobs or [])[new])
+
+    # ---- state for /metrics and tests
+    def gauges(self) -> dict[str, tuple[float, str]]:
+        bm = self.block_manager
+        hit_rate = bm.num_hit_tokens / bm.num_queried_tokens if bm.num_queried_tokens else 0.0
+        return {"lowbit_requests_waiting": (len(self.scheduler.waiting), "Requests in the queue."),
+                "lowbit_requests_running": (len(self.scheduler.running), "Requests in the running batch."),
+                "lowbit_kv_blocks_used": (bm.num_used_blocks, "KV cache blocks in use."),
+                "lowbit_kv_blocks_total": (bm.num_blocks, "KV cache blocks in the pool."),
+                "lowbit_prefix_cache_hit_rate": (hit_rate, "Prompt tokens found in the prefix cache / looked up."),
+                "lowbit_preemptions_total": (self.scheduler.num_preemptions, "Sequences preempted for recompute.")}
+
+
+def _eos_token_ids(path: Path, config: dict, tokenizer) -> set[int]:
+    ids = []
+    gen = path / "generation_config.json"
+    for source in ([json.loads(gen.read_text())] if gen.is_file() else []) + [config]:
+        value = source.get("eos_token_id")
+        ids += value if isinstance(value, list) else [value] if value is not None else []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return set(ids)

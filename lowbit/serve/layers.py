@@ -1,0 +1,149 @@
+"""Layers of the served models, each calling one op of `lowbit.kernels` (Triton on the GPU, torch reference
+elsewhere). Until an op exists in lowbit.kernels, the local torch reference below stands in with the same signature.
+"""
+import importlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowbit.checkpoint import formats
+
+
+def _rms_norm_ref(x, weight, eps, residual=None):
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight.float() * normed.float()).to(x.dtype), x
+
+
+def _silu_and_mul_ref(x):
+    d = x.shape[-1] // 2
+    return (F.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
+
+
+def _rotary_ref(q, k, positions, cos_sin_cache):
+    head_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x):
+        x3 = x.reshape(x.shape[0], -1, head_dim)
+        x1, x2 = x3[..., :head_dim // 2].float(), x3[..., head_dim // 2:].float()
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype).reshape(x.shape)
+
+    return rotate(q), rotate(k)
+
+
+def _prepare_linear_ref(algo, tensors, device):
+    return {name: t.to(device) for name, t in tensors.items()} | {"algo": algo}
+
+
+def _linear_ref(x, prepared, bias=None):
+    return formats.reference_linear(prepared["algo"], x, prepared, bias)
+
+
+def _op(name: str, fallback):
+    """lowbit.kernels.<name> when the kernels package provides it, else the local reference."""
+    try:
+        return getattr(importlib.import_module("lowbit.kernels"), name)
+    except (ImportError, AttributeError):
+        return fallback
+
+
+rms_norm = _op("rms_norm", _rms_norm_ref)
+silu_and_mul = _op("silu_and_mul", _silu_and_mul_ref)
+rotary = _op("rotary", _rotary_ref)
+prepare_linear = _op("prepare_linear", _prepare_linear_ref)
+quant_linear = _op("linear", _linear_ref)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b for one checkpoint linear: plain weights, or any quant_algo through prepare_linear/linear.
+
+    Built empty; `load(algo, tensors)` fills it from the checkpoint tensors of this module (keys are the on-disk
+    suffixes: weight, weight_scale, weight_scale_2, input_scale, pre_quant_scale, bias).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
+        self.algo: str | None = None
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.prepared = None
+
+    def load(self, algo: str | None, tensors: dict, device, dtype) -> None:
+        tensors = dict(tensors)
+        bias = tensors.pop("bias", None)
+        if self.has_bias != (bias is not None):
+            raise ValueError(f"bias expected={self.has_bias}, found={bias is not None}")
+        self.bias = None if bias is None else bias.to(device, dtype)
+        self.algo = algo
+        if algo is None:
+            self.weight = tensors["weight"].to(device, dtype)
+        else:
+            self.prepared = prepare_linear(algo, tensors, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.algo is None:
+            return F.linear(x, self.weight, self.bias)
+        return quant_linear(x, self.prepared, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Returns normed(x + residual) and, when residual is given, the new residual x + residual."""
+        out, res = rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, res)
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(torch.cat([gate, up], dim=-1))
+
+
+def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] for rope_type default, linear or llama3 (HF config conventions)."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    dim = int(head_dim * config.get("partial_rotary_factor", 1.0))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params)
+    raise ValueError(f"rope_type {rope_type!r} is not supported")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    factor, low, high, old = p["factor"], p["low_freq_factor"], p["high_freq_factor"], p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos_sin_cache [max_positions, head_dim]: cos in the first half, sin in the second (float32)."""
+
+    def __init__(self, config: dict, head_dim: int, max_positions: int):
+        super().__init__()
+        inv_freq = rope_inv_freq(config, head_dim)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return rotary(q, k, positions, self.cos_sin_cache)

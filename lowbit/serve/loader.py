@@ -1,0 +1,54 @@
+"""Builds a served model from a checkpoint: architecture by name, linears by quant_algo, weights by HF name."""
+import torch
+
+from lowbit.checkpoint import Checkpoint
+from lowbit.serve.attention import Attention
+from lowbit.serve.layers import Linear
+from lowbit.serve.models import model_class
+
+LINEAR_SUFFIXES = ("weight", "bias", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_dtype(ckpt: Checkpoint, name: str) -> torch.dtype:
+    if name == "auto":
+        name = ckpt.config.get("dtype") or ckpt.config.get("torch_dtype") or "float32"
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
+    model = model_class(ckpt.config)(ckpt.config).to(device)
+    tensors = ckpt.tensors()
+    for name, param in model.named_parameters():
+        if name not in tensors:
+            raise ValueError(f"{ckpt.path}: tensor {name} is missing")
+        param.data = tensors[name].to(device, dtype)
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            _load_linear(ckpt, tensors, name, module, device, dtype)
+        elif isinstance(module, Attention):
+            _load_kv_scales(tensors, name.rsplit(".", 1)[0], module, device)
+    return model.eval()
+
+
+def _load_linear(ckpt, tensors, name, module: Linear, device, dtype) -> None:
+    found = {s: tensors[f"{name}.{s}"] for s in LINEAR_SUFFIXES if f"{name}.{s}" in tensors}
+    if name == "lm_head" and not found and ckpt.config.get("tie_word_embeddings"):
+        found = {"weight": tensors["model.embed_tokens.weight"]}
+    if "weight" not in found:
+        raise ValueError(f"{ckpt.path}: tensor {name}.weight is missing")
+    algo = ckpt.layer_algo(name)
+    if algo is None and found["weight"].dtype not in DTYPES.values():
+        raise ValueError(f"{ckpt.path}: {name}.weight is {found['weight'].dtype} but the layer is not quantized")
+    module.load(algo, found, device, dtype)
+
+
+def _load_kv_scales(tensors, self_attn: str, module: Attention, device) -> None:
+    """modelopt: self_attn.k_proj.k_scale; compressed-tensors / vLLM: self_attn.k_scale. Missing means 1.0."""
+    for kind in ("k", "v"):
+        for key in (f"{self_attn}.{kind}_proj.{kind}_scale", f"{self_attn}.{kind}_scale"):
+            if key in tensors:
+                setattr(module, f"{kind}_scale", tensors[key].float().reshape(()).to(device))
+                break

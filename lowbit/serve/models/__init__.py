@@ -1,0 +1,16 @@
+"""Model families by HF architecture name."""
+from lowbit.serve.models.llama import LlamaForCausalLM
+from lowbit.serve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(config: dict):
+    for arch in config.get("architectures") or []:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    raise ValueError(f"architecture {config.get('architectures')} is not supported; supported: {sorted(ARCHITECTURES)}")

@@ -1,0 +1,109 @@
+"""Llama family (Llama 2/3, SmolLM2, Mistral-style configs) on paged attention; Qwen builds on these blocks.
+
+Module names follow the HF checkpoints (model.layers.N.self_attn.q_proj, ...) so weights load by name.
+Activations are flattened: hidden [T, hidden_size] for the T new tokens of all sequences in the step.
+"""
+import torch
+from torch import nn
+
+from lowbit.serve.attention import Attention
+from lowbit.serve.context import StepContext
+from lowbit.serve.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: dict, rotary: RotaryEmbedding, qkv_bias: bool = False, qk_norm: bool = False):
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.num_heads = config["num_attention_heads"]
+        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
+        self.head_dim = config.get("head_dim") or hidden // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv_bias = qkv_bias or config.get("attention_bias", False)
+        self.q_proj = Linear(hidden, q_size, qkv_bias)
+        self.k_proj = Linear(hidden, kv_size, qkv_bias)
+        self.v_proj = Linear(hidden, kv_size, qkv_bias)
+        self.o_proj = Linear(q_size, hidden, config.get("attention_bias", False))
+        self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"]) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"]) if qk_norm else None
+        self.rotary = [rotary]  # shared, and kept out of this module's children
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            t = hidden.shape[0]
+            q = self.q_norm(q.view(t, -1, self.head_dim)).view(t, -1)
+            k = self.k_norm(k.view(t, -1, self.head_dim)).view(t, -1)
+        q, k = self.rotary[0](ctx.positions, q, k)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        hidden, inter = config["hidden_size"], config["intermediate_size"]
+        bias = config.get("mlp_bias", False)
+        self.gate_proj = Linear(hidden, inter, bias)
+        self.up_proj = Linear(hidden, inter, bias)
+        self.down_proj = Linear(inter, hidden, bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: dict, rotary: RotaryEmbedding, **attn_kwargs):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, **attn_kwargs)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+
+    def forward(self, hidden, residual, ctx: StepContext):
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: dict, **attn_kwargs):
+        super().__init__()
+        hidden = config["hidden_size"]
+        head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+        self.rotary = RotaryEmbedding(config, head_dim, config.get("max_position_embeddings", 4096))
+        self.embed_tokens = nn.Embedding(config["vocab_size"], hidden)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary, **attn_kwargs)
+                                    for _ in range(config["num_hidden_layers"]))
+        self.norm = RMSNorm(hidden, config["rms_norm_eps"])
+
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    attn_kwargs: dict = {}
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, **self.attn_kwargs)
+        self.lm_head = Linear(config["hidden_size"], config["vocab_size"])
+        self.tie_word_embeddings = config.get("tie_word_embeddings", False)
+
+    def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden_size]."""
+        return self.model(input_ids, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,109 @@
+"""FCFS continuous batching with a token budget, chunked prefill and preemption by recompute. Torch-free.
+
+Each step: running sequences first (oldest first; each computes its next chunk or its one decode token), then
+waiting ones while the batch and the budget allow. When blocks run out, the youngest running sequence is
+preempted: its blocks are freed and it goes back to the front of the queue to be recomputed later.
+"""
+from collections import deque
+from dataclasses import dataclass
+
+from lowbit.serve.block_manager import BlockManager
+from lowbit.serve.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class Batch:
+    """One step's plan: seqs[i] computes tokens [num_computed_tokens, num_computed_tokens + num_new_tokens[i])."""
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence computes exactly its newest token (the CUDA-graph shape)."""
+        return all(n == 1 == s.num_tokens - s.num_computed_tokens for s, n in zip(self.seqs, self.num_new_tokens))
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int):
+        assert max_batch_size > 0 and max_num_tokens > 0
+        self.block_manager = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch | None:
+        seqs, counts = [], []
+        budget = self.max_num_tokens
+        preempted = self._schedule_running(seqs, counts, budget)
+        budget -= sum(counts)
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size and not preempted:
+            seq = self.waiting[0]
+            matched = self.block_manager.match_prefix(seq)
+            n = min(seq.num_tokens - len(matched) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_allocate(seq, matched, n):
+                break
+            self.block_manager.allocate(seq, matched, n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return Batch(seqs, counts) if seqs else None
+
+    def _schedule_running(self, seqs: list, counts: list, budget: int) -> bool:
+        """Appends the running sequences that fit; returns whether any was preempted."""
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, n):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    return preempted
+            self.block_manager.append(seq, n)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+            i += 1
+        return preempted
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def update(self, batch: Batch) -> None:
+        """After the step ran: the planned tokens are computed."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Stop a sequence (finished or aborted), wherever it is, and free its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
