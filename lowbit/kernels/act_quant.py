@@ -41,11 +41,11 @@ def _act_quant_kernel(x_ptr, smooth_ptr, scale_ptr, q_ptr, K,
         x = (x.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
     xf = x.to(tl.float32)
     if DYNAMIC:
-        scale = tl.maximum(tl.max(tl.abs(xf), axis=0) / QMAX, 1e-12)
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(xf), axis=0), QMAX), 1e-12)
         tl.store(scale_ptr + row, scale)
     else:
         scale = tl.load(scale_ptr)
-    v = tl.minimum(tl.maximum(xf / scale, -QMAX), QMAX)
+    v = tl.minimum(tl.maximum(tl.div_rn(xf, scale), -QMAX), QMAX)  # IEEE division, as torch rounds it
     if IS_INT8:
         v = (v + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds |v| < 2**22 to nearest, ties to even
     tl.store(q_ptr + row * K + cols, v.to(q_ptr.dtype.element_ty), mask=mask)

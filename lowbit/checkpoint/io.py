@@ -1,0 +1,119 @@
+"""Reading checkpoint directories, and writing them atomically (temporary directory, then rename)."""
+import fnmatch
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import yaml
+
+from lowbit.errors import UserError
+
+QUANT_CONFIG = "hf_quant_config.json"
+RECIPE_FILE = "recipe.yaml"
+MANIFEST = "lowbit_manifest.json"
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: dict  # config.json
+    quant: dict | None  # hf_quant_config.json["quantization"]; None for an unquantized model
+    recipe: dict | None  # recipe.yaml, when lowbit wrote the checkpoint
+    manifest: dict | None
+
+    @property
+    def quant_algo(self) -> str | None:
+        return self.quant.get("quant_algo") if self.quant else None
+
+    @property
+    def kv_algo(self) -> str | None:
+        return self.quant.get("kv_cache_quant_algo") if self.quant else None
+
+    def layer_algo(self, module_name: str) -> str | None:
+        """The quant_algo of one linear module, or None when it is excluded (left in float)."""
+        if not self.quant:
+            return None
+        if self.quant_algo == "MIXED_PRECISION":
+            entry = self.quant.get("quantized_layers", {}).get(module_name)
+            return entry["quant_algo"] if entry else None
+        if any(_excluded(module_name, p) for p in self.quant.get("exclude_modules") or ()):
+            return None
+        return self.quant_algo
+
+    @cached_property
+    def weight_files(self) -> list[Path]:
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise UserError(f"{self.path} holds no .safetensors files")
+        return files
+
+    def tensors(self, device: str = "cpu") -> dict:
+        from safetensors.torch import load_file
+
+        out = {}
+        for f in self.weight_files:
+            out.update(load_file(f, device=device))
+        return out
+
+
+def _excluded(name: str, pattern: str) -> bool:
+    return name == pattern or name.startswith(pattern + ".") or fnmatch.fnmatch(name, pattern)
+
+
+def read(path) -> Checkpoint:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise UserError(f"{path} is not a checkpoint directory (no config.json)")
+    config = json.loads((path / "config.json").read_text())
+    quant = None
+    if (path / QUANT_CONFIG).is_file():
+        quant = json.loads((path / QUANT_CONFIG).read_text())["quantization"]
+    elif config.get("quantization_config", {}).get("quant_method") == "modelopt":
+        quant = config["quantization_config"]
+    elif "quantization_config" in config:
+        method = config["quantization_config"].get("quant_method")
+        raise UserError(f"{path}: quant_method {method!r} is not read by lowbit (modelopt checkpoints only)")
+    recipe = yaml.safe_load((path / RECIPE_FILE).read_text()) if (path / RECIPE_FILE).is_file() else None
+    manifest = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).is_file() else None
+    return Checkpoint(path, config, quant, recipe, manifest)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path, info: dict) -> None:
+    files = {p.name: sha256(p) for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    (directory / MANIFEST).write_text(json.dumps({**info, "files": files}, indent=2) + "\n")
+
+
+@contextmanager
+def write_atomically(out: Path, force: bool = False):
+    """Yields a temporary directory beside `out`; on success it replaces `out`, on failure it is removed."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise UserError(f"output {out} already exists (use --force to overwrite)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

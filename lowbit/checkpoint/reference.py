@@ -1,0 +1,119 @@
+"""The reference reader: a checkpoint -> a runnable transformers model on CPU (float32).
+
+Quantized linears dequantize their weights once and fake-quantize activations as the format says; an FP8 KV cache
+is modelled by fake-quantizing keys (after RoPE) and values with the checkpoint's k/v scales. It is the correctness
+reference for lowbit's own engine and the in-process model of `lowbit eval`.
+"""
+import torch
+from torch import nn
+
+from lowbit.checkpoint import formats
+from lowbit.checkpoint.io import read
+
+TENSOR_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
+KV_ATTENTION = "lowbit_fp8_kv"
+
+
+class ReferenceQuantLinear(nn.Module):
+    def __init__(self, algo: str, tensors: dict, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.algo = algo
+        self.act_tensors = {k: v for k, v in tensors.items() if k in ("input_scale", "pre_quant_scale")}
+        self.register_buffer("weight", formats.dequantize_weight(algo, tensors))  # float32 [out, in]
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq = formats.quantize_activation(self.algo, x, self.act_tensors)
+        return nn.functional.linear(xq.float(), self.weight, self.bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.algo}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    key = formats.fake_quant_fp8(key, module.k_scale).to(query.dtype)
+    value = formats.fake_quant_fp8(value, module.v_scale).to(query.dtype)
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_kv_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(KV_ATTENTION, _fp8_kv_attention)
+
+
+def load_reference_model(path, dtype=torch.float32):
+    """(model, tokenizer) for a lowbit/modelopt checkpoint or a plain HF model directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = read(path)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt.path)
+    if ckpt.quant is None:
+        model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=dtype)
+        return model.eval(), tokenizer
+    config = AutoConfig.from_pretrained(ckpt.path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors = ckpt.tensors()
+    _swap_quantized_linears(model, ckpt, tensors)
+    floats = {k: v.to(dtype) for k, v in tensors.items() if not _is_quant_tensor(k, model)}
+    model.load_state_dict(floats, strict=False, assign=True)
+    model.tie_weights()
+    _rebuild_rotary(model)
+    if ckpt.kv_algo == "FP8":
+        _attach_kv_scales(model, tensors)
+    _check_materialized(model, path)
+    model.eval()
+    return model, tokenizer
+
+
+def _swap_quantized_linears(model: nn.Module, ckpt, tensors: dict) -> None:
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        algo = ckpt.layer_algo(name)
+        if algo is None or f"{name}.weight_scale" not in tensors:
+            continue
+        parts = {s: tensors[f"{name}.{s}"] for s in TENSOR_SUFFIXES if f"{name}.{s}" in tensors}
+        bias = tensors.get(f"{name}.bias")
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, ReferenceQuantLinear(algo, parts, bias))
+
+
+def _is_quant_tensor(key: str, model: nn.Module) -> bool:
+    module_name, _, suffix = key.rpartition(".")
+    if suffix in ("k_scale", "v_scale"):
+        return True
+    try:
+        return isinstance(model.get_submodule(module_name), ReferenceQuantLinear)
+    except AttributeError:
+        return False
+
+
+def _attach_kv_scales(model: nn.Module, tensors: dict) -> None:
+    _register_kv_attention()
+    for name, module in model.named_modules():
+        if not name.endswith("self_attn"):
+            continue
+        module.k_scale = tensors[f"{name}.k_proj.k_scale"].float()
+        module.v_scale = tensors[f"{name}.v_proj.v_scale"].float()
+    model.set_attn_implementation(KV_ATTENTION)
+
+
+def _rebuild_rotary(model: nn.Module) -> None:
+    """Rotary tables are non-persistent buffers computed at init: build them again off the meta device."""
+    for name, module in list(model.named_modules()):
+        if name.endswith("rotary_emb"):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, type(module)(config=model.config))
+
+
+def _check_materialized(model: nn.Module, path) -> None:
+    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type == "meta"]
+    if missing:
+        raise ValueError(f"{path}: checkpoint has no tensors for {missing[:5]} ({len(missing)} in all)")
