@@ -20,6 +20,10 @@ from lowbit.serve.scheduler import Batch, Scheduler
 from lowbit.serve.sequence import Sequence
 
 
+class ContextLengthError(ValueError):
+    """The prompt leaves no room to generate within the model's context."""
+
+
 @dataclass
 class Request:
     seq: Sequence
@@ -67,7 +71,7 @@ class Engine:
         if any(not 0 <= i < vocab for i in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
                              "tokens, including at least one to generate")
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

@@ -1,63 +1,12 @@
-"""Layers of the served models, each calling one op of `lowbit.kernels` (Triton on the GPU, torch reference
-elsewhere). Until an op exists in lowbit.kernels, the local torch reference below stands in with the same signature.
-"""
-import importlib
+"""Layers of the served models. Each op comes from lowbit.kernels: Triton on the GPU, its torch reference elsewhere."""
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit.checkpoint import formats
-
-
-def _rms_norm_ref(x, weight, eps, residual=None):
-    if residual is not None:
-        x = (x.float() + residual.float()).to(x.dtype)
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
-    return (weight.float() * normed.float()).to(x.dtype), x
-
-
-def _silu_and_mul_ref(x):
-    d = x.shape[-1] // 2
-    return (F.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
-
-
-def _rotary_ref(q, k, positions, cos_sin_cache):
-    head_dim = cos_sin_cache.shape[-1]
-    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-
-    def rotate(x):
-        x3 = x.reshape(x.shape[0], -1, head_dim)
-        x1, x2 = x3[..., :head_dim // 2].float(), x3[..., head_dim // 2:].float()
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype).reshape(x.shape)
-
-    return rotate(q), rotate(k)
-
-
-def _prepare_linear_ref(algo, tensors, device):
-    return {name: t.to(device) for name, t in tensors.items()} | {"algo": algo}
-
-
-def _linear_ref(x, prepared, bias=None):
-    return formats.reference_linear(prepared["algo"], x, prepared, bias)
-
-
-def _op(name: str, fallback):
-    """lowbit.kernels.<name> when the kernels package provides it, else the local reference."""
-    try:
-        return getattr(importlib.import_module("lowbit.kernels"), name)
-    except (ImportError, AttributeError):
-        return fallback
-
-
-rms_norm = _op("rms_norm", _rms_norm_ref)
-silu_and_mul = _op("silu_and_mul", _silu_and_mul_ref)
-rotary = _op("rotary", _rotary_ref)
-prepare_linear = _op("prepare_linear", _prepare_linear_ref)
-quant_linear = _op("linear", _linear_ref)
+from lowbit.kernels import linear as quant_linear
+from lowbit.kernels import prepare_linear, rms_norm, rotary, silu_and_mul
 
 
 class Linear(nn.Module):

@@ -14,7 +14,6 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always included)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (needs the whole prompt computed)
-    echo: bool = False  # return the prompt text and tokens in front of the completion
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -1,0 +1,257 @@
+"""OpenAI-compatible HTTP API on FastAPI: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+The only module that imports FastAPI (and, through protocol.py, pydantic).
+"""
+import asyncio
+import json
+import time
+from functools import lru_cache
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from lowbit.serve.async_engine import AsyncEngine, EngineDeadError
+from lowbit.serve.engine import ContextLengthError
+from lowbit.serve.outputs import RequestOutput
+from lowbit.serve.protocol import APIError, ChatRequest, CompletionRequest
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="lowbit", docs_url=None, redoc_url=None)
+    api = OpenAIServer(engine, model_name)
+    _add_error_handlers(app)
+
+    def authorize(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise APIError(401, "Incorrect or missing API key", code="invalid_api_key")
+
+    auth = [Depends(authorize)]
+    app.get("/health")(api.health)
+    app.get("/metrics", response_class=PlainTextResponse)(api.metrics)
+    app.get("/v1/models", dependencies=auth)(api.models)
+    app.post("/v1/completions", dependencies=auth)(api.completions)
+    app.post("/v1/chat/completions", dependencies=auth)(api.chat)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, e: RequestValidationError):
+        first = e.errors()[0]
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        message = f"{'.'.join(loc)}: {first.get('msg')}" if loc else str(first.get("msg"))
+        return JSONResponse(APIError(400, message, param=loc[0] if loc else None).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e: HTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def _merge(streams):
+    """(index, output) from several async generators as they come; cancelling this cancels (and aborts) all."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out, None))
+        except Exception as e:  # handed to the consumer, which re-raises it
+            queue.put_nowait((i, None, e))
+            return
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out, error = await queue.get()
+            if error is not None:
+                raise error
+            if out is None:
+                remaining -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class OpenAIServer:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.engine.tokenizer
+        self.token_text = lru_cache(maxsize=65536)(lambda i: self.tokenizer.decode([i]))
+
+    # ---- plain endpoints
+    async def health(self):
+        if self.engine.error is not None:
+            return JSONResponse({"status": "error", "error": repr(self.engine.error)}, status_code=503)
+        return {"status": "ok"}
+
+    async def metrics(self):
+        text, _ = self.engine.snapshot()
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def models(self):
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "lowbit",
+                "max_model_len": self.engine.engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    # ---- shared plumbing
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model", "model_not_found")
+
+    def _submit(self, prefix: str, prompts: list, params) -> tuple[str, list]:
+        """Adds one engine request per prompt; returns (response id, [stream]). Bad prompts: 400, nothing left."""
+        rid = self.engine.new_request_id(prefix)
+        streams = []
+        try:
+            for i, prompt in enumerate(prompts):
+                queue = self.engine.add(f"{rid}-{i}", prompt, params)
+                streams.append(self.engine.stream(f"{rid}-{i}", queue))
+        except ValueError as e:
+            for i in range(len(streams)):
+                self.engine.abort(f"{rid}-{i}")
+            code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
+            raise APIError(400, str(e), param="prompt" if prefix == "cmpl" else "messages", code=code) from e
+        except EngineDeadError as e:
+            raise APIError(500, str(e), "server_error") from e
+        return rid, streams
+
+    @staticmethod
+    async def _finals(streams) -> list[RequestOutput]:
+        finals = [None] * len(streams)
+        async for i, out in _merge(streams):
+            finals[i] = out
+        return finals
+
+    def _stream(self, events) -> StreamingResponse:
+        async def body():
+            try:
+                async for payload in events:
+                    yield _sse(payload)
+            except EngineDeadError as e:
+                yield _sse(APIError(500, str(e), "server_error").body())
+            yield _sse("[DONE]")
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    @staticmethod
+    def _usage(outs: list[RequestOutput]) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        completion = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # ---- /v1/completions
+    async def completions(self, req: CompletionRequest):
+        self._check_model(req.model)
+        params = req.params()
+        rid, streams = self._submit("cmpl", req.prompts(), params)
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            return self._stream(self._completion_events(req, head, streams))
+        try:
+            finals = await self._finals(streams)
+        except EngineDeadError as e:
+            raise APIError(500, str(e), "server_error") from e
+        choices = [self._completion_choice(i, o, req) for i, o in enumerate(finals)]
+        return head | {"choices": choices, "usage": self._usage(finals)}
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+
+    def _completion_choice(self, i: int, out: RequestOutput, req: CompletionRequest) -> dict:
+        c = out.outputs[0]
+        prefix = self._prompt_text(out) if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            ids, entries = list(c.token_ids), list(c.logprobs)
+            if req.echo:
+                ids, entries = out.prompt_token_ids + ids, out.prompt_logprobs + entries
+            logprobs = self._legacy_logprobs(ids, entries, 0)
+        return {"index": i, "text": prefix + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+    def _legacy_logprobs(self, ids: list[int], entries: list, offset: int) -> dict:
+        tokens = [self.token_text(i) for i in ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        top = []
+        for i, e in zip(ids, entries):
+            top.append(None if e is None else {self.token_text(t): lp for t, lp in e[1]} | {self.token_text(i): e[0]})
+        return {"tokens": tokens, "token_logprobs": [None if e is None else e[0] for e in entries],
+                "top_logprobs": top, "text_offset": offsets}
+
+    async def _completion_events(self, req: CompletionRequest, head: dict, streams):
+        finals, sent = [None] * len(streams), [0] * len(streams)
+        async for i, out in _merge(streams):
+            text, logprobs = out.delta_text, None
+            if req.echo and sent[i] == 0:
+                text = self._prompt_text(out) + text
+            if req.logprobs is not None:
+                logprobs = self._legacy_logprobs(out.delta_token_ids, out.delta_logprobs, sent[i])
+            sent[i] += len(text)
+            finals[i] = out if out.finished else None
+            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.outputs[0].finish_reason}
+            yield head | {"choices": [choice]}
+        if req.stream_options and req.stream_options.include_usage:
+            yield head | {"choices": [], "usage": self._usage(finals)}
+
+    # ---- /v1/chat/completions
+    async def chat(self, req: ChatRequest):
+        self._check_model(req.model)
+        params = req.params()
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja raises its own errors for conversations the template refuses
+            raise APIError(400, f"chat template: {e}", param="messages") from e
+        ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+        rid, streams = self._submit("chatcmpl", [ids], params)
+        head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            return self._stream(self._chat_events(req, head | {"object": "chat.completion.chunk"}, streams[0]))
+        try:
+            (out,) = await self._finals(streams)
+        except EngineDeadError as e:
+            raise APIError(500, str(e), "server_error") from e
+        c = out.outputs[0]
+        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
+                  "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if req.logprobs else None,
+                  "finish_reason": c.finish_reason}
+        return head | {"choices": [choice], "usage": self._usage([out])}
+
+    def _chat_logprobs(self, ids: list[int], entries: list) -> dict:
+        def item(t, lp):
+            s = self.token_text(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"content": [item(i, e[0]) | {"top_logprobs": [item(t, lp) for t, lp in e[1]]}
+                            for i, e in zip(ids, entries)]}
+
+    async def _chat_events(self, req: ChatRequest, head: dict, stream):
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield head | {"choices": [first]}
+        final = None
+        async for _, out in _merge([stream]):
+            reason = out.outputs[0].finish_reason
+            delta = {"content": out.delta_text} if out.delta_text else {}
+            logprobs = self._chat_logprobs(out.delta_token_ids, out.delta_logprobs) if req.logprobs else None
+            if delta or reason:
+                yield head | {"choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+            final = out
+        if req.stream_options and req.stream_options.include_usage:
+            yield head | {"choices": [], "usage": self._usage([final])}

@@ -1,0 +1,75 @@
+"""`lowbit serve NAME`: load a checkpoint by name and serve it with the OpenAI-compatible API."""
+import argparse
+from dataclasses import fields
+from pathlib import Path
+
+from lowbit.errors import UserError
+
+EXAMPLES = """examples:
+  lowbit serve smollm2-135m                        # the embedded model on http://127.0.0.1:8000/v1
+  lowbit serve smollm2-135m-fp8 --port 8001 --api-key secret
+  lowbit serve ./my-checkpoint --max-batch-size 32 --max-num-tokens 1024
+  lowbit serve smollm2-135m --config extra.yaml    # any EngineConfig field, e.g. num_kv_blocks: 512
+
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8}'
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="NAME", help="store name, checkpoint directory or hub id")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-batch-size", type=int, help="sequences in flight (default 64)")
+    parser.add_argument("--max-num-tokens", type=int, help="tokens computed per step (default 2048)")
+    parser.add_argument("--kv-cache-fraction", type=float,
+                        help="share of free GPU memory (default 0.9) or available RAM on CPU (default 0.05) for KV")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--config", type=Path, help="YAML file of further engine settings (EngineConfig fields)")
+
+
+def engine_config(args):
+    import yaml
+
+    from lowbit.serve.config import EngineConfig
+
+    values = {}
+    if args.config is not None:
+        if not args.config.is_file():
+            raise UserError(f"config file {args.config} does not exist")
+        values = yaml.safe_load(args.config.read_text()) or {}
+        if not isinstance(values, dict):
+            raise UserError(f"{args.config}: expected a mapping of engine settings")
+    for f in fields(EngineConfig):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            values[f.name] = value
+    try:
+        return EngineConfig.from_dict(values)
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from e
+
+
+def run(args) -> int:
+    try:
+        import uvicorn
+
+        from lowbit.serve.api import build_app
+    except ImportError as e:
+        raise UserError(f"serving over HTTP needs the serve extra: pip install 'lowbit[serve]' ({e})") from e
+    from lowbit.serve.async_engine import AsyncEngine
+    from lowbit.serve.engine import Engine
+
+    config = engine_config(args)
+    try:
+        engine = Engine(args.model, config)
+    except ValueError as e:  # unsupported architecture, format or dtype
+        raise UserError(str(e)) from e
+    print(f"[lowbit] {args.model}: {engine.runner.num_blocks} KV blocks of {config.block_size} tokens "
+          f"({engine.runner.kv_dtype}), context {engine.max_model_len}, on {engine.runner.device}", flush=True)
+    async_engine = AsyncEngine(engine)
+    app = build_app(async_engine, args.model, args.api_key)
+    print(f"[lowbit] serving {args.model} on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    async_engine.shutdown()
+    return 0
