@@ -9,6 +9,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from lowbit.kernels import w4a16  # noqa: E402
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out): qkv, o, gate_up, down
 MS = [1, 16, 64, 256, 4096]
 L2_BYTES = 60 * 2**20
+MIN_CALLS = 16  # per graph replay, so the replay's own launch cost is amortized
 VARIANTS = ["bf16_cublas", "fp8_scaled_mm", "fp8_linear", "fp8_rowwise_linear", "int8_gemm", "int8_linear",
             "int_mm", "w4_int4", "w4_nvfp4"]
 
@@ -125,7 +127,8 @@ def bench_one(variant, k, n, m, dev, reps, w4_config=None):
     weight_bytes, factory = make_weights(variant, k, n, dev)
     states = [factory() for _ in range(copies_for(weight_bytes))]
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-    us = time_us([make_call(variant, s, x, w4_config) for s in states], reps)
+    calls = [make_call(variant, s, x, w4_config) for s in states]
+    us = time_us(calls * -(-MIN_CALLS // len(calls)), reps)
     moved = weight_bytes + 2 * m * k + 2 * m * n
     return {"variant": variant, "in": k, "out": n, "M": m, "us": us, "tflops": 2 * m * n * k / us / 1e6,
             "gbps": moved / us / 1e3, "copies": len(states)}
@@ -136,19 +139,22 @@ def w4_candidates(m, k):
     tiles = k // w4a16.PACK_K
     if m <= 64:
         bm = max(16, 1 << (m - 1).bit_length())
-        return [(bm, bn, s, w, st) for bn, w in ((64, 4), (128, 4), (128, 8), (256, 8))
-                for s in (1, 2, 4, 8, 16) if s <= tiles // 2 for st in (2, 4)]
-    return [(bm, bn, 1, w, st) for bm in (64, 128) for bn in (128, 256) for w in (4, 8) for st in (2, 3)]
+        return [(bm, bn, s, w, 3) for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8))
+                for s in (1, 2, 4, 8, 16) if s <= tiles // 2]
+    return [(bm, bn, 1, w, 3) for bm in (64, 128) for bn in (64, 128) for w in (4, 8)]
 
 
-def sweep_w4(shapes, ms, dev, reps, log):
+def sweep_w4(shapes, ms, dev, reps, log, deadline):
     best = {}
     for k, n in shapes:
         for m in ms:
             for variant in ("w4_int4", "w4_nvfp4"):
                 results = []
                 for cfg in w4_candidates(m, k):
-                    results.append((bench_one(variant, k, n, m, dev, reps, cfg)["us"], cfg))
+                    if time.time() > deadline:
+                        log("sweep budget spent")
+                        return best
+                    results.append((guarded(bench_one, variant, k, n, m, dev, reps, cfg)["us"], cfg))
                 results.sort()
                 best[(variant, k, n, m)] = results[0][1]
                 log(f"sweep {variant} {m}x{k}->{n}: best {results[0][1]} {results[0][0]:.1f} us; "
@@ -164,13 +170,54 @@ def sweep_int8(shapes, dev, reps, log, m=4096):
         res = []
         for cfg in configs:
             sg.LARGE_M_CONFIG = cfg
-            r = bench_one("int8_gemm", k, n, m, dev, reps)
+            r = guarded(bench_one, "int8_gemm", k, n, m, dev, reps)
             res.append((r["us"], cfg, r["tflops"]))
         res.sort()
         out[(k, n)] = res[0][1]
         log(f"sweep int8 {m}x{k}->{n}: " + "; ".join(f"{c} {t:.0f} TFLOP/s" for _, c, t in res))
     sg.LARGE_M_CONFIG = configs[0]
     return out
+
+
+def bench_fp8_producers(shapes, ms, dev, reps):
+    """FP8 linear with its activation quantization fused into the producer (RMSNorm for in=4096, SiLU-and-mul for
+    in=14336) against the same producer in bf16 followed by _scaled_mm on an already-quantized input."""
+    rows = []
+    for k, n in shapes:
+        if k not in (4096, 14336):
+            continue
+        _, factory = make_weights("fp8_linear", k, n, dev)
+        layers = [factory() for _ in range(copies_for(n * k))]
+        for m in ms:
+            rows.append(_bench_fp8_producer(layers, k, n, m, dev, reps))
+    return rows
+
+
+def _bench_fp8_producer(layers, k, n, m, dev, reps):
+    if k == 4096:
+        x, res = torch.randn(m, k, device=dev, dtype=torch.bfloat16), torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        w = torch.rand(k, device=dev, dtype=torch.bfloat16)
+        producer = lambda scale=None: rms_norm(x, w, 1e-5, res, scale)[0]  # noqa: E731
+    else:
+        g = torch.randn(m, 2 * k, device=dev, dtype=torch.bfloat16)
+        producer = lambda scale=None: silu_and_mul(g, scale)  # noqa: E731
+    xq = torch.randn(m, k, device=dev).to(torch.float8_e4m3fn)
+    one = torch.tensor(1.0, device=dev)
+    paths = {
+        "producer_bf16": lambda p: producer(),
+        "scaled_mm_alone": lambda p: torch._scaled_mm(xq, p.weight.t(), scale_a=one, scale_b=p.weight_scale,
+                                                      out_dtype=torch.bfloat16),
+        "fused": lambda p: linear(producer(p.input_scale), p),
+        "unfused": lambda p: linear(producer(), p),
+    }
+    row = {"in": k, "out": n, "M": m, "producer": "rms_norm+residual" if k == 4096 else "silu_and_mul"}
+    for name, fn in paths.items():
+        calls = [(lambda p=p, fn=fn: fn(p)) for p in layers]
+        row[name + "_us"] = time_us(calls * -(-MIN_CALLS // len(calls)), reps)
+    row["ratio_fused"] = (row["producer_bf16_us"] + row["scaled_mm_alone_us"]) / row["fused_us"]
+    row["ratio_unfused"] = (row["producer_bf16_us"] + row["scaled_mm_alone_us"]) / row["unfused_us"]
+    print(f"fp8 producer {m}x{k}->{n}: {row}", flush=True)
+    return row
 
 
 def bench_elementwise(dev, reps):
@@ -182,7 +229,8 @@ def bench_elementwise(dev, reps):
         g = torch.randn(m, 2 * 14336, device=dev, dtype=torch.bfloat16)
         for name, fn, ref in [("rms_norm+residual", lambda: rms_norm(x, w, 1e-5, r), lambda: rms_norm_ref(x, w, 1e-5, r)),
                               ("silu_and_mul 14336", lambda: silu_and_mul(g), lambda: silu_and_mul_ref(g))]:
-            rows.append({"op": name, "M": m, "triton_us": time_us([fn], reps), "torch_eager_us": time_us([ref], reps)})
+            rows.append({"op": name, "M": m, "triton_us": time_us([fn] * MIN_CALLS, reps),
+                         "torch_eager_us": time_us([ref] * MIN_CALLS, reps)})
     return rows
 
 
@@ -214,6 +262,45 @@ def speedup_summary(rows) -> str:
     return "\n".join(lines)
 
 
+def bench_gemms(shapes, ms, variants, dev, reps):
+    rows = []
+    for k, n in shapes:
+        for m in ms:
+            for v in variants:
+                if applicable(v, m):
+                    rows.append(guarded(bench_one, v, k, n, m, dev, reps))
+                    print(f"{v} {m}x{k}->{n}: {rows[-1]['us']:.1f} us", flush=True)
+    return rows
+
+
+def guarded(fn, variant, k, n, m, *args):
+    """A failing kernel is reported in its row (us = inf, with the error) and the sweep goes on."""
+    try:
+        return fn(variant, k, n, m, *args)
+    except Exception as e:  # noqa: BLE001 - recorded in the report and printed, not swallowed
+        traceback.print_exc()
+        return {"variant": variant, "in": k, "out": n, "M": m, "us": float("inf"), "tflops": 0.0, "gbps": 0.0,
+                "error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def print_report(report):
+    print(f"\n{report['gpu']}, torch {report['torch']}, triton {report['triton']}, {report['date']}\n")
+    print(table(report["rows"]))
+    print("\nSpeedup over cuBLAS bf16 (higher is faster):\n")
+    print(speedup_summary(report["rows"]))
+    print("\n| op | M | Triton us | torch eager us |\n|---|---|---|---|")
+    for r in report["elementwise"]:
+        print(f"| {r['op']} | {r['M']} | {r['triton_us']:.1f} | {r['torch_eager_us']:.1f} |", flush=True)
+    print("\nFP8 activation quantization: fused into the producer vs a separate kernel, against (producer in bf16 +"
+          " _scaled_mm alone on a pre-quantized input); ratio = that / path, 1.0 = quantization is free.\n")
+    print("| in->out | M | producer | producer bf16 us | _scaled_mm alone us | fused path us | ratio fused |"
+          " unfused path us | ratio unfused |\n|---|---|---|---|---|---|---|---|---|")
+    for r in report["fp8_producers"]:
+        print(f"| {r['in']}->{r['out']} | {r['M']} | {r['producer']} | {r['producer_bf16_us']:.1f} | "
+              f"{r['scaled_mm_alone_us']:.1f} | {r['fused_us']:.1f} | {r['ratio_fused']:.2f} | {r['unfused_us']:.1f} | "
+              f"{r['ratio_unfused']:.2f} |", flush=True)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="lowbit bench kernels", description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="in x out, comma separated")
@@ -221,7 +308,8 @@ def parse_args(argv):
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--reps", type=int, default=30, help="timed graph replays per measurement")
     p.add_argument("--check", action="store_true", help="first check every kernel against its reference")
-    p.add_argument("--sweep", action="store_true", help="first sweep W4 and INT8 tile configs, then use the best")
+    p.add_argument("--sweep", action="store_true", help="afterwards, sweep W4 and INT8 tile configs (report only)")
+    p.add_argument("--sweep-budget-s", type=float, default=240.0, help="stop the W4 sweep after this long")
     p.add_argument("--json", type=Path, help="write all numbers here")
     return p.parse_args(argv)
 
@@ -234,7 +322,8 @@ def main(argv=None) -> int:
     dev = "cuda"
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.m.split(",")]
-    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    import triton
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": argv or sys.argv[1:]}
     ok = True
     if args.check:
@@ -242,32 +331,20 @@ def main(argv=None) -> int:
         report["checks"] = run_checks(dev)
         print(format_checks(report["checks"]), flush=True)
         ok = all(r["ok"] for r in report["checks"])
-    w4_best, int8_best = {}, {}
-    if args.sweep:
-        w4_best = sweep_w4(shapes, [m for m in ms if m in (1, 16, 4096)], dev, max(5, args.reps // 3), print)
-        int8_best = sweep_int8(shapes, dev, max(5, args.reps // 3), print)
-        report["w4_best"] = {"|".join(map(str, k)): v for k, v in w4_best.items()}
-        report["int8_best"] = {f"{k}x{n}": v for (k, n), v in int8_best.items()}
-    rows = []
-    for k, n in shapes:
-        if (k, n) in int8_best:
-            sg.LARGE_M_CONFIG = int8_best[(k, n)]
-        for m in ms:
-            for v in args.variants.split(","):
-                if applicable(v, m):
-                    rows.append(bench_one(v, k, n, m, dev, args.reps, w4_best.get((v, k, n, m))))
-                    print(f"{v} {m}x{k}->{n}: {rows[-1]['us']:.1f} us", flush=True)
-    report["rows"] = rows
+    report["rows"] = bench_gemms(shapes, ms, args.variants.split(","), dev, args.reps)
     report["elementwise"] = bench_elementwise(dev, args.reps)
-    print(f"\n{report['gpu']}, torch {report['torch']}, {report['date']}\n")
-    print(table(rows))
-    print("\nSpeedup over cuBLAS bf16 (higher is faster):\n")
-    print(speedup_summary(rows))
-    print("\n| op | M | Triton us | torch eager us |\n|---|---|---|---|")
-    for r in report["elementwise"]:
-        print(f"| {r['op']} | {r['M']} | {r['triton_us']:.1f} | {r['torch_eager_us']:.1f} |")
+    report["fp8_producers"] = bench_fp8_producers(shapes, ms, dev, args.reps)
+    print_report(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, default=str))
+    if args.sweep:  # report-only: the winners are copied into choose_config / LARGE_M_CONFIG by hand
+        int8_best = sweep_int8(shapes, dev, max(5, args.reps // 3), print)
+        w4_best = sweep_w4(shapes, [m for m in ms if m in (1, 16, 64, 4096)], dev, max(5, args.reps // 3), print,
+                           time.time() + args.sweep_budget_s)
+        report["w4_best"] = {"|".join(map(str, k)): v for k, v in w4_best.items()}
+        report["int8_best"] = {f"{k}x{n}": v for (k, n), v in int8_best.items()}
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1, default=str))
     return 0 if ok else 1
 
 

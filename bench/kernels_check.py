@@ -2,6 +2,8 @@
 
 Each check prints ||out - ref|| / ||ref|| (fp32 norms) beside its tolerance. Called by `bench/kernels.py --check`.
 """
+import traceback
+
 import torch
 
 from lowbit.checkpoint.formats import reference_linear
@@ -48,6 +50,12 @@ def check_elementwise(rows, dev):
     _record(rows, "rotary", "50x(32+8)x128", max(rel_err(qo, qr), rel_err(ko, kr)), TOL_BF16)
     g = torch.randn(33, 2 * 14336, device=dev, dtype=torch.bfloat16)
     _record(rows, "silu_and_mul", "33x2x14336", rel_err(silu_and_mul(g), silu_and_mul_ref(g)), TOL_BF16)
+    scale = torch.tensor(4.0 / 448, device=dev)
+    for name, out, ref in [("rms_norm+residual -> fp8", rms_norm(x, w, 1e-5, res, scale)[0],
+                            rms_norm_ref(x, w, 1e-5, res, scale)[0]),
+                           ("silu_and_mul -> fp8", silu_and_mul(g, scale), silu_and_mul_ref(g, scale))]:
+        mismatch = (out.float() != ref.float()).float().mean().item()
+        _record(rows, name + " (mismatch frac)", "-", mismatch if out.dtype == torch.float8_e4m3fn else 1.0, 1e-4)
 
 
 def check_act_quant(rows, dev):
@@ -60,8 +68,10 @@ def check_act_quant(rows, dev):
             q_ref, s_ref = act_quant_ref(x, dtype, s, smooth)
             mismatch = (q.float() != q_ref.float()).float().mean().item()
             scale_err = rel_err(sq, s_ref)
+            # per-token: torch divides amax by the Python scalar qmax as a multiply by its reciprocal, so its
+            # scale can differ from the kernel's IEEE division in the last bit, and a few q flip at a rounding tie
             _record(rows, f"act_quant {name} {'static' if static else 'per-token'} (mismatch frac)", "300x4096",
-                    max(mismatch, scale_err), 1e-4)
+                    max(mismatch, scale_err), 1e-4 if static else 1e-3)
 
 
 def check_scaled_gemm(rows, dev):
@@ -91,27 +101,41 @@ def check_linear(rows, dev):
         for algo in ALGOS:
             if "NVFP4" in algo and k % 16:
                 continue
-            t = _layer(algo, k, n, dev)
-            p = prepare_linear(None if algo == "bf16" else algo, t, dev)
-            bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
-            for m in LINEAR_MS:
-                x = (torch.randn(m, k, device=dev)).to(torch.bfloat16)
-                y = linear(x, p, bias)
-                ref_algo = "W4A16_NVFP4" if algo == "NVFP4" else algo  # Hopper: NVFP4 served weight-only
-                ref = (x.float() @ t["weight"].float().t() + bias.float()) if algo == "bf16" else \
-                    reference_linear(ref_algo, x, t, bias)
-                _record(rows, f"linear {algo} ({p.kind})", f"{m}x{k}->{n}", rel_err(y, ref), TOL_BF16)
-                if algo == "NVFP4" and m == 16:
-                    w4a4 = reference_linear("NVFP4", x, t, bias)
-                    rows.append({"check": "info: NVFP4 weight-only vs W4A4 reference", "shape": f"{m}x{k}->{n}",
-                                 "rel_err": rel_err(y, w4a4), "tol": None, "ok": True})
+            try:
+                check_linear_layer(rows, algo, k, n, dev)
+            except Exception as e:  # noqa: BLE001 - recorded as a failed check and printed, not swallowed
+                traceback.print_exc()
+                rows.append({"check": f"linear {algo} raised {type(e).__name__}: {e}"[:300], "shape": f"{k}->{n}",
+                             "rel_err": float("inf"), "tol": 0.0, "ok": False})
+
+
+def check_linear_layer(rows, algo, k, n, dev):
+    t = _layer(algo, k, n, dev)
+    p = prepare_linear(None if algo == "bf16" else algo, t, dev)
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    for m in LINEAR_MS:
+        x = (torch.randn(m, k, device=dev)).to(torch.bfloat16)
+        y = linear(x, p, bias)
+        ref_algo = "W4A16_NVFP4" if algo == "NVFP4" else algo  # Hopper: NVFP4 served weight-only
+        ref = (x.float() @ t["weight"].float().t() + bias.float()) if algo == "bf16" else \
+            reference_linear(ref_algo, x, t, bias)
+        _record(rows, f"linear {algo} ({p.kind})", f"{m}x{k}->{n}", rel_err(y, ref), TOL_BF16)
+        if algo == "NVFP4" and m == 16:
+            w4a4 = reference_linear("NVFP4", x, t, bias)
+            rows.append({"check": "info: NVFP4 weight-only vs W4A4 reference", "shape": f"{m}x{k}->{n}",
+                         "rel_err": rel_err(y, w4a4), "tol": None, "ok": True})
 
 
 def run_checks(dev="cuda") -> list[dict]:
     torch.manual_seed(0)
     rows = []
     for check in (check_elementwise, check_act_quant, check_scaled_gemm, check_linear):
-        check(rows, dev)
+        try:
+            check(rows, dev)
+        except Exception as e:  # noqa: BLE001 - recorded as a failed check and printed, not swallowed
+            traceback.print_exc()
+            rows.append({"check": f"{check.__name__} raised {type(e).__name__}: {e}"[:300], "shape": "-",
+                         "rel_err": float("inf"), "tol": 0.0, "ok": False})
     return rows
 
 

@@ -93,3 +93,25 @@ def test_awq_group_the_kernel_cannot_take_falls_back_to_dense():
     assert p.kind == "dense"
     x = torch.randn(2, 96).half()
     assert rel_err(run_kernels(x, p), reference_linear("W4A16_AWQ", x, t)) < 5e-3
+
+
+def test_fp8_layer_takes_a_prequantized_input():
+    t = _layer("FP8")
+    x = torch.randn(3, 256).half()
+    q = (x.float() / t["input_scale"]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    p = prepare_linear("FP8", t, "cpu")
+    y = linear(q, p)
+    assert y.dtype == torch.bfloat16
+    assert rel_err(y, reference_linear("FP8", x, t)) < 1e-2
+    with pytest.raises(ValueError, match="static-scale FP8"):
+        linear(q, prepare_linear("FP8_PER_CHANNEL_PER_TOKEN", _layer("FP8_PER_CHANNEL_PER_TOKEN"), "cpu"))
+
+
+@needs_interpreter
+def test_fp8_prequantized_kernel_path():
+    t = _layer("FP8", n=48, k=192)
+    x = torch.randn(5, 192).half()
+    q = (x.float() / t["input_scale"]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    p = prepare_linear("FP8", t, "cpu", pack=True)
+    y = run_kernels(q, p, out_dtype=torch.float16)
+    assert y.dtype == torch.float16 and rel_err(y, linear_ref(q, p)) < 1e-2

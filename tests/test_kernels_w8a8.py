@@ -71,3 +71,10 @@ def test_fp8_gemm_with_ragged_k():
     sa, sb = torch.tensor(0.5), torch.tensor(0.25)
     out = scaled_gemm(a, b, sa, sb, None, torch.float16, config=(16, 32, 64, 4, 1))
     assert rel_err(out, scaled_gemm_ref(a, b, sa, sb, None, torch.float16)) < 1e-3
+
+
+def test_dynamic_quant_of_rows_longer_than_one_block():
+    x = (3 * torch.randn(3, 2500, generator=torch.Generator().manual_seed(9))).half()
+    q, s = act_quant(x, torch.int8)
+    q_ref, s_ref = act_quant_ref(x, torch.int8)
+    assert torch.equal(q, q_ref) and torch.allclose(s, s_ref, rtol=1e-6)

@@ -54,6 +54,11 @@ class kernel:
         return self._built[mode][grid]
 
 
+def helper(fn):
+    """A @triton.jit function called from kernels (built for whichever mode triton was imported in)."""
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
 def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 

@@ -7,7 +7,7 @@ Returns (q [M, K] float8_e4m3fn | int8, scale fp32: [] when static, [M, 1] when 
 import torch
 
 from lowbit.checkpoint.formats import FP8_MAX, INT8_MAX
-from lowbit.kernels._triton import kernel, next_pow2, tl, use_triton
+from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton
 
 _MIN_SCALE = 1e-12
 
@@ -28,27 +28,41 @@ def act_quant_ref(x, out_dtype, scale=None, smooth=None):
     return v.clamp(-qmax, qmax).to(torch.float8_e4m3fn), scale
 
 
+@helper
+def _smoothed(x_ptr, smooth_ptr, row, cols, K, HAS_SMOOTH: tl.constexpr):
+    """x[row, cols] (* smooth[cols], rounded to x's dtype) as fp32; zero past K."""
+    x = tl.load(x_ptr + row * K + cols, mask=cols < K, other=0.0)
+    if HAS_SMOOTH:
+        s = tl.load(smooth_ptr + cols, mask=cols < K, other=0.0).to(x.dtype)
+        x = (x.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
+    return x.to(tl.float32)
+
+
 @kernel
 def _act_quant_kernel(x_ptr, smooth_ptr, scale_ptr, q_ptr, K,
                       HAS_SMOOTH: tl.constexpr, DYNAMIC: tl.constexpr, IS_INT8: tl.constexpr,
                       QMAX: tl.constexpr, BLOCK: tl.constexpr):
+    # static: program (row, chunk) quantizes BLOCK elements; dynamic: program (row, 0) loops over the row twice
+    # (amax, then quantize: the second read hits L2)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = cols < K
-    x = tl.load(x_ptr + row * K + cols, mask=mask, other=0.0)
-    if HAS_SMOOTH:
-        s = tl.load(smooth_ptr + cols, mask=mask, other=0.0).to(x.dtype)
-        x = (x.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
-    xf = x.to(tl.float32)
     if DYNAMIC:
-        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(xf), axis=0), QMAX), 1e-12)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            amax = tl.maximum(amax, tl.abs(_smoothed(x_ptr, smooth_ptr, row, k0 + cols, K, HAS_SMOOTH)))
+        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), QMAX), 1e-12)
         tl.store(scale_ptr + row, scale)
+        k_begin, k_end = 0, K
     else:
         scale = tl.load(scale_ptr)
-    v = tl.minimum(tl.maximum(tl.div_rn(xf, scale), -QMAX), QMAX)  # IEEE division, as torch rounds it
-    if IS_INT8:
-        v = (v + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds |v| < 2**22 to nearest, ties to even
-    tl.store(q_ptr + row * K + cols, v.to(q_ptr.dtype.element_ty), mask=mask)
+        k_begin = tl.program_id(1) * BLOCK
+        k_end = k_begin + BLOCK
+    for k0 in range(k_begin, k_end, BLOCK):
+        xf = _smoothed(x_ptr, smooth_ptr, row, k0 + cols, K, HAS_SMOOTH)
+        v = tl.minimum(tl.maximum(tl.div_rn(xf, scale), -QMAX), QMAX)  # IEEE division, as torch rounds it
+        if IS_INT8:
+            v = (v + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds |v| < 2**22 to nearest, ties to even
+        tl.store(q_ptr + row * K + k0 + cols, v.to(q_ptr.dtype.element_ty), mask=k0 + cols < K)
 
 
 def act_quant(x, out_dtype, scale=None, smooth=None):
@@ -61,10 +75,11 @@ def act_quant(x, out_dtype, scale=None, smooth=None):
         scale_t = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     else:
         scale_t = scale.float().reshape(()).to(x.device)
-    block = next_pow2(K)
-    _act_quant_kernel[(M,)](x, smooth if smooth is not None else x, scale_t, q, K,
+    block = min(2048, next_pow2(K))
+    grid = (M, 1 if scale is None else cdiv(K, block))
+    _act_quant_kernel[grid](x, smooth if smooth is not None else x, scale_t, q, K,
                             HAS_SMOOTH=smooth is not None, DYNAMIC=scale is None,
                             IS_INT8=out_dtype == torch.int8,
                             QMAX=INT8_MAX if out_dtype == torch.int8 else FP8_MAX,
-                            BLOCK=block, num_warps=min(16, max(1, block // 1024)))
+                            BLOCK=block, num_warps=4)
     return q, scale_t

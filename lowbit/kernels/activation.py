@@ -1,37 +1,48 @@
-"""SiLU-and-multiply of the gate/up projection: x [..., 2*D] -> silu(x[..., :D]) * x[..., D:]  [..., D]."""
+"""SiLU-and-multiply of the gate/up projection: x [..., 2*D] -> silu(x[..., :D]) * x[..., D:]  [..., D].
+
+With quant_scale (the down projection's static FP8 input_scale) the output is float8_e4m3fn, out / quant_scale.
+"""
 import torch
 import torch.nn.functional as F
 
 from lowbit.kernels._triton import cdiv, kernel, on_gpu, tl
+from lowbit.kernels.norm import quantize_fp8_ref
 
 _BLOCK = 1024
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_ref(x: torch.Tensor, quant_scale: torch.Tensor | None = None) -> torch.Tensor:
     d = x.shape[-1] // 2
-    return (F.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
+    out = (F.silu(x[..., :d].float()) * x[..., d:].float()).to(x.dtype)
+    return out if quant_scale is None else quantize_fp8_ref(out, quant_scale)
 
 
 @kernel
-def _silu_and_mul_kernel(x_ptr, out_ptr, D, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, D, QUANT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
     gate = tl.load(x_ptr + row * 2 * D + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * 2 * D + D + cols, mask=mask, other=0.0).to(tl.float32)
-    act = gate / (1.0 + tl.exp(-gate))
-    tl.store(out_ptr + row * D + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
+    if QUANT:
+        v = tl.minimum(tl.maximum(tl.div_rn(y.to(tl.float32), tl.load(scale_ptr)), -448.0), 448.0)
+        tl.store(out_ptr + row * D + cols, v.to(tl.float8e4nv), mask=mask)
+    else:
+        tl.store(out_ptr + row * D + cols, y, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, quant_scale: torch.Tensor | None = None) -> torch.Tensor:
     if not on_gpu(x):
-        return silu_and_mul_ref(x)
-    return silu_and_mul_triton(x)
+        return silu_and_mul_ref(x, quant_scale)
+    return silu_and_mul_triton(x, quant_scale)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_triton(x: torch.Tensor, quant_scale: torch.Tensor | None = None) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d).contiguous()
-    out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
-    _silu_and_mul_kernel[(x2.shape[0], cdiv(d, _BLOCK))](x2, out, d, BLOCK=_BLOCK, num_warps=4)
+    out_dtype = x.dtype if quant_scale is None else torch.float8_e4m3fn
+    out = torch.empty(x2.shape[0], d, dtype=out_dtype, device=x.device)
+    _silu_and_mul_kernel[(x2.shape[0], cdiv(d, _BLOCK))](x2, out, quant_scale if quant_scale is not None else x2, d,
+                                                         QUANT=quant_scale is not None, BLOCK=_BLOCK, num_warps=4)
     return out.reshape(*x.shape[:-1], d)

@@ -6,6 +6,9 @@ elsewhere; `linear_ref` is lowbit.checkpoint.formats.reference_linear's semantic
 
 On Hopper NVFP4 is served weight-only (no FP4 tensor cores): `linear` does NOT fake-quantize activations to NVFP4,
 `linear_ref` does. The two differ by the activation quantization error (a few percent relative).
+
+A static FP8 layer also takes x already quantized (float8_e4m3fn, x_true = x * input_scale), as written by
+rms_norm / silu_and_mul given quant_scale=input_scale; the output is then bf16 (or out_dtype).
 """
 from dataclasses import dataclass, field
 
@@ -107,30 +110,51 @@ def _pack(p: PreparedLinear, algo: str, t: dict, device):
         p.weight = w4a16.pack_nvfp4(t["weight"].to(device), t["weight_scale"].to(device), t["weight_scale_2"], p.smooth)
 
 
-def linear_ref(x: torch.Tensor, prepared: PreparedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _out_dtype(x, out_dtype):
+    if out_dtype is not None:
+        return out_dtype
+    return torch.bfloat16 if x.dtype == torch.float8_e4m3fn else x.dtype
+
+
+def _check_fp8_input(p: PreparedLinear):
+    if p.algo != "FP8" or p.input_scale is None:
+        raise ValueError(f"a float8 input needs a static-scale FP8 layer, not {p.algo}")
+
+
+def linear_ref(x: torch.Tensor, prepared: PreparedLinear, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """reference_linear semantics (NVFP4 activations fake-quantized): fp32 math, result in x's dtype."""
-    xq = quantize_activation(prepared.algo, x, prepared.activation_tensors()).float()
+    if x.dtype == torch.float8_e4m3fn:
+        _check_fp8_input(prepared)
+        xq = x.float() * prepared.input_scale.to(x.device)
+    else:
+        xq = quantize_activation(prepared.algo, x, prepared.activation_tensors()).float()
     y = xq @ prepared.ref_weight().to(x.device).t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(_out_dtype(x, out_dtype))
 
 
-def linear(x: torch.Tensor, prepared: PreparedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] bf16/fp16 -> [..., out] in x's dtype. Kernels on CUDA, the reference elsewhere."""
+def linear(x: torch.Tensor, prepared: PreparedLinear, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., in] bf16/fp16 (or fp8, see above) -> [..., out] in x's dtype. Kernels on CUDA, else the reference."""
     if not on_gpu(x) or prepared.kind == "source":
-        return linear_ref(x, prepared, bias)
-    return run_kernels(x, prepared, bias)
+        return linear_ref(x, prepared, bias, out_dtype)
+    return run_kernels(x, prepared, bias, out_dtype)
 
 
-def run_kernels(x: torch.Tensor, p: PreparedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+def run_kernels(x: torch.Tensor, p: PreparedLinear, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The kernel path of `linear`, whatever x's device (tests call it on CPU under TRITON_INTERPRET=1)."""
     x2 = x.reshape(-1, p.in_features)
-    if p.kind == "dense":
+    if x.dtype == torch.float8_e4m3fn:
+        _check_fp8_input(p)
+        y = w8a8.w8a8_linear_prequantized(x2, p.weight, p.weight_scale, p.input_scale, bias, _out_dtype(x, out_dtype))
+    elif p.kind == "dense":
         xs = x2 * p.smooth.to(x.dtype) if p.smooth is not None else x2
         y = F.linear(xs, p.weight.to(x.dtype), bias.to(x.dtype) if bias is not None else None)
     elif p.kind == "w8a8":
         y = w8a8.w8a8_linear(x2, p.weight, p.weight_scale, p.input_scale, p.smooth, bias)
     else:
         y = w4a16.w4a16_gemm(x2, p.weight, bias)
-    return y.reshape(*x.shape[:-1], p.out_features)
+    return y.reshape(*x.shape[:-1], p.out_features).to(_out_dtype(x, out_dtype))

@@ -55,7 +55,10 @@ def _scaled_gemm_kernel(a_ptr, b_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K
             k_mask = offs_k[None, :] < K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=k_mask, other=0.0)
             b = tl.load(b_ptrs, mask=k_mask, other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc)
+        if IS_INT:
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 

@@ -2,8 +2,9 @@
 
 Kernel layout (built once at load by pack_int4 / pack_nvfp4; the on-disk layout stays modelopt's):
 - qweight int32 [N, KP/8], KP = K rounded up to PACK_K = 128 (padding holds zeros). Each 128-wide K tile of a row is
-  16 words; nibble s of word j holds element k = 16*s + j of the tile, so `(words >> 4*s) & 0xF` is a [BN, 16]
-  slice of 16 consecutive k: one tl.dot operand, and for NVFP4 exactly one scale block.
+  16 words; nibble s of word j holds element k = 16*s + j of the tile, so `(words[:, None, :] >> 4*s) & 0xF` is the
+  tile as [BN, 8, 16] in natural k order (one reshape to the [BN, 128] dot operand), and its slice s is exactly
+  one NVFP4 scale block (or lies inside one INT4 group).
 - INT4: nibble = q + 8 (q in [-8, 7]); scales fp32 [KP/group, N] (transposed: one contiguous row per group).
 - NVFP4: nibble = e2m1 code; scales float8_e4m3fn [KP/16, N]; global_scale = weight_scale_2 as a Python float.
 The kernel computes out^T tiles (acc [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T) so that small M sits in the MMA's
@@ -63,7 +64,7 @@ def int4_group(weight, weight_scale) -> int:
 
 
 def int4_group_supported(group: int) -> bool:
-    """The kernel applies one scale per 16-wide K slice and per 128-wide tile at most."""
+    """The kernel applies one scale per row and 16-wide K slice, or per row and 128-wide tile."""
     return group % 16 == 0 and (PACK_K % group == 0 or group % PACK_K == 0)
 
 
@@ -121,41 +122,43 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K,
     pid_m = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    j = tl.arange(0, 16)
+    s8 = tl.arange(0, 8)
+    kk = tl.arange(0, 128)
     n_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: weight loads need no mask, stores are masked
     m_rows = tl.minimum(offs_m, M - 1).to(tl.int64)
-    w_ptrs = w_ptr + n_rows[:, None] * (KP // 8) + j[None, :]
+    w_ptrs = w_ptr + n_rows[:, None] * (KP // 8) + tl.arange(0, 16)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, KP // 128)
     for t in range(t_begin, t_end):
         words = tl.load(w_ptrs + t * 16)  # [BLOCK_N, 16] int32 = 128 nibbles of each row
-        part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for s in tl.static_range(8):
-            k = t * 128 + s * 16 + j
-            xs = tl.load(x_ptr + m_rows[None, :] * K + k[:, None], mask=k[:, None] < K, other=0.0)  # [16, BM]
-            if HAS_SMOOTH:
-                sm = tl.load(smooth_ptr + k, mask=k < K, other=0.0).to(xs.dtype).to(tl.float32)
-                xs = (xs.to(tl.float32) * sm[:, None]).to(xs.dtype)
-            nib = (words >> (4 * s)) & 0xF
-            if IS_FP4:
-                # e2m1 code -> fp16 bits (sign, 2 exponent bits, 1 mantissa bit) = value * 2**-14, exact;
-                # times the e4m3 block scale is still exact in fp16. global_scale carries the 2**14 back.
-                bits = ((nib & 7) << 9) | ((nib & 8) << 12)
-                w = bits.to(tl.int16).to(tl.float16, bitcast=True)
-                sc = tl.load(s_ptr + (t * 8 + s) * N + n_rows).to(tl.float16)
-                acc = tl.dot(w * sc[:, None], xs.to(tl.float16), acc)
+        nib = (words[:, None, :] >> (4 * s8)[None, :, None]) & 0xF  # [BLOCK_N, 8, 16]: k = 16 * s + j
+        k = t * 128 + kk
+        xs = tl.load(x_ptr + m_rows[None, :] * K + k[:, None], mask=k[:, None] < K, other=0.0)  # [128, BLOCK_M]
+        if HAS_SMOOTH:
+            sm = tl.load(smooth_ptr + k, mask=k < K, other=0.0).to(xs.dtype).to(tl.float32)
+            xs = (xs.to(tl.float32) * sm[:, None]).to(xs.dtype)
+        if IS_FP4:
+            # e2m1 code -> fp16 bits (sign, 2 exponent bits, 1 mantissa bit) = value * 2**-14, exact; times the
+            # e4m3 block scale it is still exact in fp16. global_scale carries the 2**14 back.
+            bits = ((nib & 7) << 9) | ((nib & 8) << 12)
+            w3 = bits.to(tl.int16).to(tl.float16, bitcast=True)
+            sc = tl.load(s_ptr + (t * 8 + s8[None, :]) * N + n_rows[:, None]).to(tl.float16)  # [BLOCK_N, 8]
+            w = tl.reshape(w3 * sc[:, :, None], (BLOCK_N, 128))
+            acc = tl.dot(w, xs.to(tl.float16), acc)
+        else:
+            # nibble u = q + 8 -> (magic | u) as a 16-bit float is magic_value + u, exact; subtract magic + 8
+            if X_BF16:
+                w3 = ((nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0).to(tl.bfloat16)
             else:
-                # nibble u = q + 8 -> (magic | u) as a 16-bit float is magic_value + u, exact; subtract magic + 8
-                if X_BF16:
-                    w = ((nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0).to(tl.bfloat16)
-                else:
-                    w = ((nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0).to(tl.float16)
-                part = tl.dot(w, xs, part)
-                if (s + 1) % (min(GROUP, 128) // 16) == 0:
-                    sc = tl.load(s_ptr + ((t * 128 + s * 16) // GROUP) * N + n_rows)
-                    acc += part * sc[:, None]
-                    part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                w3 = ((nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0).to(tl.float16)
+            if GROUP % 128 == 0:  # one scale per row and tile: applied to the fp32 partial product, exactly
+                part = tl.dot(tl.reshape(w3, (BLOCK_N, 128)), xs)
+                acc += part * tl.load(s_ptr + (t * 128 // GROUP) * N + n_rows)[:, None]
+            else:  # one scale per row and 16-wide slice: dequantize the weights (rounded to x's dtype)
+                sc = tl.load(s_ptr + ((t * 128 + 16 * s8[None, :]) // GROUP) * N + n_rows[:, None])  # [BLOCK_N, 8]
+                w = (w3.to(tl.float32) * sc[:, :, None]).to(xs.dtype)
+                acc = tl.dot(tl.reshape(w, (BLOCK_N, 128)), xs, acc)
     out = acc * global_scale
     if HAS_BIAS:
         out += tl.load(bias_ptr + n_rows).to(tl.float32)[:, None]
@@ -181,7 +184,7 @@ def choose_config(M: int, N: int, KP: int):
     """(BLOCK_M, BLOCK_N, split, num_warps, num_stages) for the W4 kernel; see docs/kernels_notes.md."""
     tiles = KP // PACK_K
     if M <= 64:
-        block_m, block_n = max(16, next_pow2(M)), 128
+        block_m, block_n = max(16, next_pow2(M)), 64
         programs = cdiv(N, block_n)
         split = max(1, min(tiles // 4, cdiv(2 * NUM_SMS, programs)))
         return block_m, block_n, split, 4, 3

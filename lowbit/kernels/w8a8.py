@@ -39,6 +39,11 @@ def w8a8_linear_ref(x, w, w_scale, input_scale=None, smooth=None, bias=None):
 
 def w8a8_linear(x, w, w_scale, input_scale=None, smooth=None, bias=None):
     q, sa = act_quant(x, w.dtype, input_scale, smooth)
+    return w8a8_linear_prequantized(q, w, w_scale, sa, bias, x.dtype)
+
+
+def w8a8_linear_prequantized(q, w, w_scale, scale_a, bias, out_dtype):
+    """q [M, K] already quantized (x ~= q * scale_a), e.g. by a producer kernel's fp8 epilogue."""
     if scaled_mm_applies(q, w):
-        return scaled_mm(q, w, sa, w_scale, bias, x.dtype)
-    return scaled_gemm(q, w, sa, w_scale, bias, x.dtype)
+        return scaled_mm(q, w, scale_a, w_scale, bias, out_dtype)
+    return scaled_gemm(q, w, scale_a, w_scale, bias, out_dtype)
