@@ -92,7 +92,7 @@ def _w4_weight(fmt, k, n, dev):
     qweight = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=dev, dtype=torch.int32)
     if fmt == "int4":
         return w4a16.W4Weight("int4", qweight, torch.rand(k // 128, n, device=dev) * 1e-2, n, k, 128)
-    scales = (torch.rand(k // 16, n, device=dev) * 400 + 1).to(torch.float8_e4m3fn)
+    scales = (torch.rand(k // 128, n, 8, device=dev) * 400 + 1).to(torch.float8_e4m3fn)
     return w4a16.W4Weight("nvfp4", qweight, scales, n, k, 16, 1e-4)
 
 
@@ -128,7 +128,8 @@ def bench_one(variant, k, n, m, dev, reps, w4_config=None):
     states = [factory() for _ in range(copies_for(weight_bytes))]
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     calls = [make_call(variant, s, x, w4_config) for s in states]
-    us = time_us(calls * -(-MIN_CALLS // len(calls)), reps)
+    repeat = -(-MIN_CALLS // len(calls)) if m <= 256 else 1
+    us = time_us(calls * repeat, reps)
     moved = weight_bytes + 2 * m * k + 2 * m * n
     return {"variant": variant, "in": k, "out": n, "M": m, "us": us, "tflops": 2 * m * n * k / us / 1e6,
             "gbps": moved / us / 1e3, "copies": len(states)}
@@ -139,15 +140,16 @@ def w4_candidates(m, k):
     tiles = k // w4a16.PACK_K
     if m <= 64:
         bm = max(16, 1 << (m - 1).bit_length())
-        return [(bm, bn, s, w, 3) for bn, w in ((32, 4), (64, 4), (64, 8), (128, 8))
-                for s in (1, 2, 4, 8, 16) if s <= tiles // 2]
-    return [(bm, bn, 1, w, 3) for bm in (64, 128) for bn in (64, 128) for w in (4, 8)]
+        return [(bm, bn, s, w, 3) for bn, w in ((32, 4), (64, 4), (128, 8)) for s in (1, 2, 4, 8, 16) if s <= tiles // 2]
+    splits = (1, 2) if m <= 512 else (1,)
+    return [(bm, bn, s, w, 3) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for s in splits
+            if not (bm == 128 and bn == 128 and w == 4)]
 
 
 def sweep_w4(shapes, ms, dev, reps, log, deadline):
     best = {}
-    for k, n in shapes:
-        for m in ms:
+    for m in ms:  # small M first: if the budget runs out, prefill keeps its default tiles
+        for k, n in shapes:
             for variant in ("w4_int4", "w4_nvfp4"):
                 results = []
                 for cfg in w4_candidates(m, k):
@@ -262,14 +264,17 @@ def speedup_summary(rows) -> str:
     return "\n".join(lines)
 
 
-def bench_gemms(shapes, ms, variants, dev, reps):
+def bench_gemms(shapes, ms, variants, dev, reps, w4_best=None):
     rows = []
     for k, n in shapes:
         for m in ms:
             for v in variants:
                 if applicable(v, m):
-                    rows.append(guarded(bench_one, v, k, n, m, dev, reps))
-                    print(f"{v} {m}x{k}->{n}: {rows[-1]['us']:.1f} us", flush=True)
+                    cfg = (w4_best or {}).get((v, k, n, m))
+                    rows.append(guarded(bench_one, v, k, n, m, dev, reps, cfg))
+                    if v.startswith("w4_"):
+                        rows[-1]["config"] = cfg or w4a16.choose_config(m, n, k)
+                    print(f"{v} {m}x{k}->{n}: {rows[-1]['us']:.1f} us {rows[-1].get('config', '')}", flush=True)
     return rows
 
 
@@ -308,8 +313,9 @@ def parse_args(argv):
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--reps", type=int, default=30, help="timed graph replays per measurement")
     p.add_argument("--check", action="store_true", help="first check every kernel against its reference")
-    p.add_argument("--sweep", action="store_true", help="afterwards, sweep W4 and INT8 tile configs (report only)")
+    p.add_argument("--sweep", action="store_true", help="first sweep W4 tile configs, then time W4 with the winners")
     p.add_argument("--sweep-budget-s", type=float, default=240.0, help="stop the W4 sweep after this long")
+    p.add_argument("--int8-sweep", action="store_true", help="also sweep INT8 GEMM tiles at M=4096 (report only)")
     p.add_argument("--json", type=Path, help="write all numbers here")
     return p.parse_args(argv)
 
@@ -331,20 +337,18 @@ def main(argv=None) -> int:
         report["checks"] = run_checks(dev)
         print(format_checks(report["checks"]), flush=True)
         ok = all(r["ok"] for r in report["checks"])
-    report["rows"] = bench_gemms(shapes, ms, args.variants.split(","), dev, args.reps)
+    w4_best = {}
+    if args.sweep:  # W4 tile configs; the winners are what choose_config encodes (docs/kernels_notes.md)
+        w4_best = sweep_w4(shapes, ms, dev, max(5, args.reps // 2), print, time.time() + args.sweep_budget_s)
+        report["w4_best"] = {"|".join(map(str, k)): v for k, v in w4_best.items()}
+    report["rows"] = bench_gemms(shapes, ms, args.variants.split(","), dev, args.reps, w4_best)
     report["elementwise"] = bench_elementwise(dev, args.reps)
     report["fp8_producers"] = bench_fp8_producers(shapes, ms, dev, args.reps)
+    if args.int8_sweep:
+        report["int8_best"] = {f"{k}x{n}": v for (k, n), v in sweep_int8(shapes, dev, args.reps, print).items()}
     print_report(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, default=str))
-    if args.sweep:  # report-only: the winners are copied into choose_config / LARGE_M_CONFIG by hand
-        int8_best = sweep_int8(shapes, dev, max(5, args.reps // 3), print)
-        w4_best = sweep_w4(shapes, [m for m in ms if m in (1, 16, 64, 4096)], dev, max(5, args.reps // 3), print,
-                           time.time() + args.sweep_budget_s)
-        report["w4_best"] = {"|".join(map(str, k)): v for k, v in w4_best.items()}
-        report["int8_best"] = {f"{k}x{n}": v for (k, n), v in int8_best.items()}
-        if args.json:
-            args.json.write_text(json.dumps(report, indent=1, default=str))
     return 0 if ok else 1
 
 

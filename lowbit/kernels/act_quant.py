@@ -75,11 +75,12 @@ def act_quant(x, out_dtype, scale=None, smooth=None):
         scale_t = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     else:
         scale_t = scale.float().reshape(()).to(x.device)
-    block = min(2048, next_pow2(K))
+    # static: 2048-wide chunks, all in parallel; dynamic: one program per row, one pass up to K = 16384
+    block = min(2048, next_pow2(K)) if scale is not None else min(16384, next_pow2(K))
     grid = (M, 1 if scale is None else cdiv(K, block))
     _act_quant_kernel[grid](x, smooth if smooth is not None else x, scale_t, q, K,
                             HAS_SMOOTH=smooth is not None, DYNAMIC=scale is None,
                             IS_INT8=out_dtype == torch.int8,
                             QMAX=INT8_MAX if out_dtype == torch.int8 else FP8_MAX,
-                            BLOCK=block, num_warps=4)
+                            BLOCK=block, num_warps=max(4, min(16, block // 1024)))
     return q, scale_t

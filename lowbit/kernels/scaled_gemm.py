@@ -9,8 +9,9 @@ import torch
 from lowbit.kernels._triton import cdiv, kernel, tl, use_triton
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); tuned on the H200, see docs/kernels_notes.md
-LARGE_M_CONFIG = (128, 256, 128, 8, 3)
-SMALL_M_CONFIG = (64, 128, 128, 4, 4)
+LARGE_M_CONFIG = (128, 256, 128, 8, 3)  # M > 512
+MEDIUM_M_CONFIG = (64, 128, 128, 4, 4)  # 64 < M <= 512: more programs than 128x256 tiles give
+SMALL_M_CONFIG = (64, 64, 128, 4, 4)  # M <= 64
 
 
 def scaled_gemm_ref(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
@@ -83,7 +84,8 @@ def scaled_gemm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, con
         return scaled_gemm_ref(a, b, scale_a, scale_b, bias, out_dtype)
     M, K = a.shape
     N = b.shape[0]
-    block_m, block_n, block_k, warps, stages = config or (LARGE_M_CONFIG if M > 64 else SMALL_M_CONFIG)
+    default = LARGE_M_CONFIG if M > 512 else (MEDIUM_M_CONFIG if M > 64 else SMALL_M_CONFIG)
+    block_m, block_n, block_k, warps, stages = config or default
     out = torch.empty(M, N, dtype=out_dtype, device=a.device)
     grid = (cdiv(M, block_m) * cdiv(N, block_n),)
     _scaled_gemm_kernel[grid](

@@ -6,7 +6,8 @@ Kernel layout (built once at load by pack_int4 / pack_nvfp4; the on-disk layout 
   tile as [BN, 8, 16] in natural k order (one reshape to the [BN, 128] dot operand), and its slice s is exactly
   one NVFP4 scale block (or lies inside one INT4 group).
 - INT4: nibble = q + 8 (q in [-8, 7]); scales fp32 [KP/group, N] (transposed: one contiguous row per group).
-- NVFP4: nibble = e2m1 code; scales float8_e4m3fn [KP/16, N]; global_scale = weight_scale_2 as a Python float.
+- NVFP4: nibble = e2m1 code; scales float8_e4m3fn [KP/128, N, 8] (a row's 8 block scales of a tile are 8 contiguous
+  bytes); global_scale = weight_scale_2 as a Python float.
 The kernel computes out^T tiles (acc [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T) so that small M sits in the MMA's
 N dimension; it splits K across programs when there are too few N blocks to fill the GPU (decode).
 """
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.checkpoint.formats import NVFP4_BLOCK, nvfp4_dequantize, unpack_e2m1, unpack_int4_rows
-from lowbit.kernels._triton import cdiv, kernel, next_pow2, tl, use_triton
+from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton
 
 PACK_K = 128
 NUM_SMS = 132  # H200; only steers the split-K heuristic
@@ -86,7 +87,8 @@ def pack_nvfp4(weight, weight_scale, weight_scale_2, pre_quant_scale=None) -> W4
     codes = unpack_e2m1(weight)
     n, k = codes.shape
     kp = cdiv(k, PACK_K) * PACK_K
-    scales = _pad_k(weight_scale.view(torch.uint8), kp // NVFP4_BLOCK, 0).t().contiguous()
+    scales = _pad_k(weight_scale.view(torch.uint8), kp // NVFP4_BLOCK, 0).reshape(n, kp // PACK_K, 8)
+    scales = scales.permute(1, 0, 2).contiguous()
     return W4Weight("nvfp4", _interleave(_pad_k(codes, kp, 0)), scales.view(torch.float8_e4m3fn), n, k,
                     NVFP4_BLOCK, float(weight_scale_2), pre_quant_scale)
 
@@ -94,11 +96,10 @@ def pack_nvfp4(weight, weight_scale, weight_scale_2, pre_quant_scale=None) -> W4
 def dequantize_w4(w: W4Weight) -> torch.Tensor:
     """The fp32 weight [N, K] a W4Weight stands for (read back from the kernel layout)."""
     u = _deinterleave(w.qweight)[:, : w.in_features]
-    scales = w.scales.t()
     if w.fmt == "int4":
-        s = scales[:, : w.in_features // w.group].float().repeat_interleave(w.group, dim=1)
+        s = w.scales.t()[:, : w.in_features // w.group].float().repeat_interleave(w.group, dim=1)
         return (u.float() - 8) * s
-    block_scale = scales[:, : w.in_features // NVFP4_BLOCK]
+    block_scale = w.scales.permute(1, 0, 2).reshape(w.out_features, -1)[:, : w.in_features // NVFP4_BLOCK]
     return nvfp4_dequantize(u, block_scale, torch.tensor(w.global_scale))
 
 
@@ -113,10 +114,21 @@ def w4a16_gemm_ref(x, w: W4Weight, bias=None):
 
 
 # ---- kernel
+@helper
+def _tile_scales(s_ptr, t, n_rows, s8, N, IS_FP4: tl.constexpr, GROUP: tl.constexpr):
+    """Scales of K tile t for rows n_rows: [BN, 8] (one per 16-wide slice) or, for INT4 groups >= 128, [BN]."""
+    if IS_FP4:
+        return tl.load(s_ptr + (t * N + n_rows[:, None]) * 8 + s8[None, :]).to(tl.float16)
+    elif GROUP % 128 == 0:
+        return tl.load(s_ptr + (t * 128 // GROUP) * N + n_rows)
+    else:
+        return tl.load(s_ptr + ((t * 128 + 16 * s8[None, :]) // GROUP) * N + n_rows[:, None])
+
+
 @kernel
-def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K, KP, tiles_per_split, global_scale,
-                    IS_FP4: tl.constexpr, X_BF16: tl.constexpr, GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K, w_stride, n_tiles, tiles_per_split,
+                    global_scale, IS_FP4: tl.constexpr, X_BF16: tl.constexpr, GROUP: tl.constexpr,
+                    HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -126,11 +138,14 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K,
     kk = tl.arange(0, 128)
     n_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: weight loads need no mask, stores are masked
     m_rows = tl.minimum(offs_m, M - 1).to(tl.int64)
-    w_ptrs = w_ptr + n_rows[:, None] * (KP // 8) + tl.arange(0, 16)[None, :]
+    w_ptrs = w_ptr + n_rows[:, None] * w_stride + tl.arange(0, 16)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     t_begin = pid_k * tiles_per_split
-    t_end = tl.minimum(t_begin + tiles_per_split, KP // 128)
+    t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
+    sc_next = _tile_scales(s_ptr, t_begin, n_rows, s8, N, IS_FP4, GROUP)
     for t in range(t_begin, t_end):
+        sc = sc_next
+        sc_next = _tile_scales(s_ptr, tl.minimum(t + 1, t_end - 1), n_rows, s8, N, IS_FP4, GROUP)  # prefetch
         words = tl.load(w_ptrs + t * 16)  # [BLOCK_N, 16] int32 = 128 nibbles of each row
         nib = (words[:, None, :] >> (4 * s8)[None, :, None]) & 0xF  # [BLOCK_N, 8, 16]: k = 16 * s + j
         k = t * 128 + kk
@@ -143,9 +158,7 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K,
             # e4m3 block scale it is still exact in fp16. global_scale carries the 2**14 back.
             bits = ((nib & 7) << 9) | ((nib & 8) << 12)
             w3 = bits.to(tl.int16).to(tl.float16, bitcast=True)
-            sc = tl.load(s_ptr + (t * 8 + s8[None, :]) * N + n_rows[:, None]).to(tl.float16)  # [BLOCK_N, 8]
-            w = tl.reshape(w3 * sc[:, :, None], (BLOCK_N, 128))
-            acc = tl.dot(w, xs.to(tl.float16), acc)
+            acc = tl.dot(tl.reshape(w3 * sc[:, :, None], (BLOCK_N, 128)), xs.to(tl.float16), acc)
         else:
             # nibble u = q + 8 -> (magic | u) as a 16-bit float is magic_value + u, exact; subtract magic + 8
             if X_BF16:
@@ -153,10 +166,8 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K,
             else:
                 w3 = ((nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0).to(tl.float16)
             if GROUP % 128 == 0:  # one scale per row and tile: applied to the fp32 partial product, exactly
-                part = tl.dot(tl.reshape(w3, (BLOCK_N, 128)), xs)
-                acc += part * tl.load(s_ptr + (t * 128 // GROUP) * N + n_rows)[:, None]
+                acc += tl.dot(tl.reshape(w3, (BLOCK_N, 128)), xs) * sc[:, None]
             else:  # one scale per row and 16-wide slice: dequantize the weights (rounded to x's dtype)
-                sc = tl.load(s_ptr + ((t * 128 + 16 * s8[None, :]) // GROUP) * N + n_rows[:, None])  # [BLOCK_N, 8]
                 w = (w3.to(tl.float32) * sc[:, :, None]).to(xs.dtype)
                 acc = tl.dot(tl.reshape(w, (BLOCK_N, 128)), xs, acc)
     out = acc * global_scale
@@ -181,14 +192,18 @@ def _split_sum_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS
 
 
 def choose_config(M: int, N: int, KP: int):
-    """(BLOCK_M, BLOCK_N, split, num_warps, num_stages) for the W4 kernel; see docs/kernels_notes.md."""
+    """(BLOCK_M, BLOCK_N, split, num_warps, num_stages) for the W4 kernel, from the H200 sweep in
+    docs/kernels_notes.md: decode takes as many K splits (powers of two, >= 4 tiles each) as keep the number of
+    programs within a budget; prefill takes 128x128 tiles."""
     tiles = KP // PACK_K
-    if M <= 64:
-        block_m, block_n = max(16, next_pow2(M)), 64
-        programs = cdiv(N, block_n)
-        split = max(1, min(tiles // 4, cdiv(2 * NUM_SMS, programs)))
-        return block_m, block_n, split, 4, 3
-    return (64 if M <= 128 else 128), 128, 1, 8, 3
+    if M > 64:
+        return (64 if M <= 128 else 128), 128, 1, 8, 3
+    block_m, block_n = max(16, next_pow2(M)), 64
+    budget = 2048 // (block_m // 16)
+    split = 1
+    while split * 2 * cdiv(N, block_n) <= budget and tiles // (split * 2) >= 4:
+        split *= 2
+    return block_m, block_n, split, 4, 3
 
 
 def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
@@ -207,7 +222,7 @@ def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
     grid = (cdiv(N, block_n), split, cdiv(M, block_m))
     _w4_gemm_kernel[grid](
         x, w.qweight, w.scales, w.smooth if w.smooth is not None else x, bias if bias is not None else x,
-        target, M, N, K, KP, tiles_per_split, w.global_scale * (2.0**14 if w.fmt == "nvfp4" else 1.0),
+        target, M, N, K, KP // 8, tiles, tiles_per_split, w.global_scale * (2.0**14 if w.fmt == "nvfp4" else 1.0),
         IS_FP4=w.fmt == "nvfp4", X_BF16=x.dtype == torch.bfloat16, GROUP=w.group,
         HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None and split == 1,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
