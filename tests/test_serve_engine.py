@@ -198,10 +198,44 @@ def synth_fp8_checkpoint(out):
     return out
 
 
-def test_fp8_checkpoint_equals_reference_reader(tmp_path):
-    path = synth_fp8_checkpoint(tmp_path / "fp8")
+NEAR_TIE = 0.3  # nats: FP8 activation rounding turns ulp-level differences of batch shapes into flips this small
+
+
+def check_against_reference(path, **engine_args):
+    """A quantized checkpoint against the reference reader. Its greedy tokens, scored by the reference with teacher
+    forcing, are the reference's argmax (or, rarely, a near tie). Computed in the reference's shapes (one whole prompt),
+    its prompt logprobs equal the reference's. In other shapes (batches, chunks) float rounding differs in the last ulp;
+    static FP8 activation rounding amplifies that (it does so between HF's own prefill and decode paths too), so
+    exact token equality with the reference's `generate` is not a stable property of a quantized model."""
     model, tokenizer = load_reference_model(path)
-    expected = hf_greedy(model, tokenizer, PROMPTS[:3], 10)
-    llm = LLM(str(path), num_kv_blocks=64, max_num_tokens=16)
+    llm = LLM(str(path), num_kv_blocks=64, **engine_args)
+    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    exact = total = 0
+    for ids, out in zip(prompts, outs):
+        seq = ids + out.outputs[0].token_ids
+        with torch.no_grad():
+            lp = model(torch.tensor([seq])).logits[0].float().log_softmax(-1)
+        for pos in range(len(ids) - 1, len(seq) - 1):
+            best, chosen = lp[pos].max().item(), lp[pos, seq[pos + 1]].item()
+            assert chosen >= best - NEAR_TIE, (pos, chosen, best)
+            exact += chosen == best
+            total += 1
+    assert exact >= 0.9 * total
+    alone = llm.generate([prompts[1]], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]  # the reference's shapes
+    with torch.no_grad():
+        lp = model(torch.tensor([prompts[1]])).logits[0].float().log_softmax(-1)
+    ref_prompt = [lp[i - 1, prompts[1][i]].item() for i in range(1, len(prompts[1]))]
+    assert [e[0] for e in alone.prompt_logprobs[1:]] == pytest.approx(ref_prompt, abs=1e-4)
+    return llm
+
+
+def test_fp8_checkpoint_matches_reference_reader(tmp_path):
+    llm = check_against_reference(synth_fp8_checkpoint(tmp_path / "fp8"), max_num_tokens=16)
     assert llm.engine.runner.kv_dtype == torch.float8_e4m3fn
-    assert tokens(llm.generate(PROMPTS[:3], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))) == expected
+
+
+@pytest.mark.skipif(not (resolve(DEFAULT_MODEL).parent / f"{DEFAULT_MODEL}-fp8").is_dir(),
+                    reason="run `lowbit quantize --recipe fp8 smollm2-135m` first")
+def test_store_fp8_checkpoint_matches_reference_reader():
+    check_against_reference(resolve(f"{DEFAULT_MODEL}-fp8"))

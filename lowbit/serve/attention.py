@@ -32,13 +32,14 @@ class TorchAttentionBackend:
             blocks = ctx.block_tables[b, :(ctx_len + block_size - 1) // block_size]
             k = _dequantize(_gather(kv_cache[0], blocks, ctx_len), k_scale, q.dtype)
             v = _dequantize(_gather(kv_cache[1], blocks, ctx_len), v_scale, q.dtype)
-            qb = q[start:start + n].transpose(0, 1)  # [Hq, n, D]
-            mask = None
-            if n > 1:  # query i sits at position ctx_len - n + i
+            qb = q[start:start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
+            mask = None  # a whole prompt at once: is_causal; a later chunk: query i sits at ctx_len - n + i
+            if 1 < n < ctx_len:
                 mask = torch.ones(n, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - n)
-            o = F.scaled_dot_product_attention(qb, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                               scale=scale, enable_gqa=True)
-            out[start:start + n] = o.transpose(0, 1)
+            k, v = k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous()  # [1, Hk, ctx, D]
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask,
+                                               is_causal=1 < n == ctx_len, scale=scale, enable_gqa=True)
+            out[start:start + n] = o[0].transpose(0, 1)
             start += n
         return out
 
