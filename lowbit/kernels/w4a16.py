@@ -1,10 +1,10 @@
 """Weight-only 4-bit GEMM: INT4 (modelopt W4A16_AWQ) and NVFP4 (e2m1 + e4m3 block-16 scales) weights, 16-bit x.
 
 Kernel layout (built once at load by pack_int4 / pack_nvfp4; the on-disk layout stays modelopt's):
-- qweight int32 [N, KP/8], KP = K rounded up to PACK_K = 128 (padding holds zeros). Each 128-wide K tile of a row is
-  16 words; nibble s of word j holds element k = 16*s + j of the tile, so `(words[:, None, :] >> 4*s) & 0xF` is the
-  tile as [BN, 8, 16] in natural k order (one reshape to the [BN, 128] dot operand), and its slice s is exactly
-  one NVFP4 scale block (or lies inside one INT4 group).
+- qweight int32 [N, KP/8], KP = K rounded up to PACK_K = 128 (padding holds zeros); nibble s of word j holds
+  element k = 8*j + s (natural order). The kernel unpacks a tile's 16 words per row with three tl.join levels
+  (16-bit halves, bytes, nibbles), which keeps each thread's nibbles contiguous in k: the [BN, 128] dot operand
+  then reaches shared memory in wide stores. Two words are one NVFP4 block of 16.
 - INT4: nibble = q + 8 (q in [-8, 7]); scales fp32 [KP/group, N] (transposed: one contiguous row per group).
 - NVFP4: nibble = e2m1 code; scales float8_e4m3fn [KP/128, N, 8] (a row's 8 block scales of a tile are 8 contiguous
   bytes); global_scale = weight_scale_2 as a Python float.
@@ -37,19 +37,18 @@ class W4Weight:
 
 # ---- packing (torch, once at load)
 def _interleave(u: torch.Tensor) -> torch.Tensor:
-    """uint8 nibbles [N, KP] -> int32 [N, KP/8] in the tile-interleaved order described above."""
+    """uint8 nibbles [N, KP] -> int32 words [N, KP/8], nibble s of word j = element 8*j + s."""
     n, kp = u.shape
-    u = u.reshape(n, kp // PACK_K, 8, 16).to(torch.int64)
-    words = sum(u[:, :, s, :] << (4 * s) for s in range(8))
+    u = u.reshape(n, kp // 8, 8).to(torch.int64)
+    words = sum(u[:, :, s] << (4 * s) for s in range(8))
     words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.to(torch.int32).reshape(n, kp // 8).contiguous()
+    return words.to(torch.int32).contiguous()
 
 
 def _deinterleave(words: torch.Tensor) -> torch.Tensor:
-    n, kp = words.shape[0], words.shape[1] * 8
-    w = words.reshape(n, kp // PACK_K, 1, 16).to(torch.int64) & 0xFFFFFFFF
-    shifts = (4 * torch.arange(8, device=words.device)).reshape(1, 1, 8, 1)
-    return ((w >> shifts) & 0xF).to(torch.uint8).reshape(n, kp)
+    w = words.to(torch.int64).unsqueeze(-1) & 0xFFFFFFFF
+    shifts = 4 * torch.arange(8, device=words.device)
+    return ((w >> shifts) & 0xF).to(torch.uint8).reshape(words.shape[0], -1)
 
 
 def _pad_k(t: torch.Tensor, kp: int, value: int) -> torch.Tensor:
@@ -116,13 +115,24 @@ def w4a16_gemm_ref(x, w: W4Weight, bias=None):
 # ---- kernel
 @helper
 def _tile_scales(s_ptr, t, n_rows, s8, N, IS_FP4: tl.constexpr, GROUP: tl.constexpr):
-    """Scales of K tile t for rows n_rows: [BN, 8] (one per 16-wide slice) or, for INT4 groups >= 128, [BN]."""
+    """Scales of K tile t for rows n_rows: [BN, 16] (per word, one per 16-wide block) or, INT4 groups >= 128, [BN]."""
     if IS_FP4:
-        return tl.load(s_ptr + (t * N + n_rows[:, None]) * 8 + s8[None, :]).to(tl.float16)
+        sc = tl.load(s_ptr + (t * N + n_rows[:, None]) * 8 + s8[None, :]).to(tl.float16)
+        sc = tl.reshape(tl.join(sc, sc), (sc.shape[0], 16))
     elif GROUP % 128 == 0:
-        return tl.load(s_ptr + (t * 128 // GROUP) * N + n_rows)
+        sc = tl.load(s_ptr + (t * 128 // GROUP) * N + n_rows)
     else:
-        return tl.load(s_ptr + ((t * 128 + 16 * s8[None, :]) // GROUP) * N + n_rows[:, None])
+        sc = tl.load(s_ptr + ((t * 128 + 16 * s8[None, :]) // GROUP) * N + n_rows[:, None])
+        sc = tl.reshape(tl.join(sc, sc), (sc.shape[0], 16))
+    return sc
+
+
+@helper
+def _nibbles(words):
+    """int32 [BN, 16] -> nibbles [BN, 16, 2, 2, 2], element (j, a, b, c) = k 8*j + 4*a + 2*b + c of the tile."""
+    halves = tl.join(words & 0xFFFF, (words >> 16) & 0xFFFF)
+    bytes_ = tl.join(halves & 0xFF, halves >> 8)
+    return tl.join(bytes_ & 0xF, bytes_ >> 4)
 
 
 @kernel
@@ -146,8 +156,7 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K,
     for t in range(t_begin, t_end):
         sc = sc_next
         sc_next = _tile_scales(s_ptr, tl.minimum(t + 1, t_end - 1), n_rows, s8, N, IS_FP4, GROUP)  # prefetch
-        words = tl.load(w_ptrs + t * 16)  # [BLOCK_N, 16] int32 = 128 nibbles of each row
-        nib = (words[:, None, :] >> (4 * s8)[None, :, None]) & 0xF  # [BLOCK_N, 8, 16]: k = 16 * s + j
+        nib = _nibbles(tl.load(w_ptrs + t * 16))  # [BLOCK_N, 16, 2, 2, 2]
         k = t * 128 + kk
         xs = tl.load(x_ptr + m_rows[None, :] * K + k[:, None], mask=k[:, None] < K, other=0.0)  # [128, BLOCK_M]
         if HAS_SMOOTH:
@@ -157,19 +166,19 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K,
             # e2m1 code -> fp16 bits (sign, 2 exponent bits, 1 mantissa bit) = value * 2**-14, exact; times the
             # e4m3 block scale it is still exact in fp16. global_scale carries the 2**14 back.
             bits = ((nib & 7) << 9) | ((nib & 8) << 12)
-            w3 = bits.to(tl.int16).to(tl.float16, bitcast=True)
-            acc = tl.dot(tl.reshape(w3 * sc[:, :, None], (BLOCK_N, 128)), xs.to(tl.float16), acc)
+            w5 = bits.to(tl.int16).to(tl.float16, bitcast=True) * sc[:, :, None, None, None]
+            acc = tl.dot(tl.reshape(w5, (BLOCK_N, 128)), xs.to(tl.float16), acc)
         else:
             # nibble u = q + 8 -> (magic | u) as a 16-bit float is magic_value + u, exact; subtract magic + 8
             if X_BF16:
-                w3 = ((nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0).to(tl.bfloat16)
+                w5 = ((nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0).to(tl.bfloat16)
             else:
-                w3 = ((nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0).to(tl.float16)
+                w5 = ((nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0).to(tl.float16)
             if GROUP % 128 == 0:  # one scale per row and tile: applied to the fp32 partial product, exactly
-                acc += tl.dot(tl.reshape(w3, (BLOCK_N, 128)), xs) * sc[:, None]
-            else:  # one scale per row and 16-wide slice: dequantize the weights (rounded to x's dtype)
-                w = (w3.to(tl.float32) * sc[:, :, None]).to(xs.dtype)
-                acc = tl.dot(tl.reshape(w, (BLOCK_N, 128)), xs, acc)
+                acc += tl.dot(tl.reshape(w5, (BLOCK_N, 128)), xs) * sc[:, None]
+            else:  # one scale per row and 16-wide block: dequantize the weights (rounded to x's dtype)
+                w5 = (w5.to(tl.float32) * sc[:, :, None, None, None]).to(xs.dtype)
+                acc = tl.dot(tl.reshape(w5, (BLOCK_N, 128)), xs, acc)
     out = acc * global_scale
     if HAS_BIAS:
         out += tl.load(bias_ptr + n_rows).to(tl.float32)[:, None]
