@@ -75,3 +75,19 @@ def primary_metric(task: str, metrics: list[str]) -> str:
         if m in metrics:
             return m
     raise UserError(f"task {task} reports none of acc_norm/acc/exact_match/f1 (it reports {', '.join(metrics)})")
+
+
+def check_task_names(names: list[str]) -> None:
+    """Unknown names fail here, before any model is loaded (lm-eval's index is read only for pass-through names)."""
+    others = [n for n in names if n not in OFFLINE and n != "ppl" and not n.endswith((".yaml", ".yml"))]
+    for n in names:
+        task_spec(n)
+    if not others:
+        return
+    from lm_eval.tasks import TaskManager
+
+    known = set(TaskManager().all_tasks)
+    unknown = [n for n in others if n not in known]
+    if unknown:
+        raise UserError(f"unknown task(s) {', '.join(unknown)}; built in: {', '.join(OFFLINE)}, ppl; "
+                        f"or any lm-eval task name or task YAML path")

@@ -1,0 +1,62 @@
+"""lowbit's offline tasks are lm-eval's tasks on shipped data, and its scorer matches lm-eval's HFLM."""
+import pytest
+
+from lowbit.evaluate import tasks
+from lowbit.evaluate.harness import run_task
+
+
+def test_prompts_and_metrics_come_from_lm_eval():
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    for name, (yaml_rel, _) in tasks.OFFLINE.items():
+        stock = load_yaml(tasks.lm_eval_tasks_dir() / yaml_rel)
+        ours = tasks.offline_config(name)
+        for key in ("output_type", "doc_to_text", "doc_to_target", "doc_to_choice", "metric_list", "process_docs"):
+            assert ours.get(key) == stock.get(key), (name, key)
+        assert "test_split" not in ours and ours["validation_split"] == "validation"
+
+
+def test_shipped_data():
+    sizes = {"arc_easy": 570, "arc_challenge": 299, "hellaswag": 10042, "piqa": 1838, "lambada": 5153}
+    for name, n in sizes.items():
+        cfg = tasks.offline_config(name)
+        assert len(cfg["custom_dataset"]()["validation"]) == n
+
+
+@pytest.fixture(scope="module")
+def embedded(embedded_model_dir):
+    from lowbit.checkpoint import load_reference_model
+
+    return load_reference_model(embedded_model_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["arc_easy", "hellaswag", "piqa"])
+def test_scores_equal_lm_eval_hflm(task, embedded):
+    from lm_eval.models.huggingface import HFLM
+
+    from lowbit.evaluate.harness import inproc_lm
+
+    model, tokenizer = embedded
+    ours = run_task(inproc_lm(model, tokenizer), task, limit=6)
+    stock = run_task(HFLM(pretrained=model, tokenizer=tokenizer, batch_size=8), task, limit=6)
+    assert ours["n"] == stock["n"] == 6
+    assert ours["per_doc"]["acc"] == stock["per_doc"]["acc"]
+    assert ours["per_doc"]["acc_norm"] == stock["per_doc"]["acc_norm"]
+    assert ours["metrics"] == stock["metrics"]
+
+
+def test_shared_context_loglikelihoods_equal_hflm(embedded):
+    from lm_eval.models.huggingface import HFLM
+
+    from lowbit.evaluate.harness import inproc_lm
+
+    model, tokenizer = embedded
+    pairs = [("Question: Which is a liquid?\nAnswer:", c) for c in (" water", " a solid block of ice", " stone")]
+    pairs += [("The capital of France is", " Paris"), ("One two three", " four five six seven")]
+    ours, stock = inproc_lm(model, tokenizer), HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4)
+    requests = [((c, x), *stock._encode_pair(c, x)) for c, x in pairs]
+    got = ours._loglikelihood_tokens(requests, disable_tqdm=True)
+    want = stock._loglikelihood_tokens(requests, disable_tqdm=True)
+    for (lp, greedy), (lp_ref, greedy_ref) in zip(got, want):
+        assert abs(lp - lp_ref) < 1e-3 and greedy == greedy_ref
