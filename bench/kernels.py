@@ -63,8 +63,8 @@ def make_weights(variant, k, n, dev):
     """-> (bytes of one weight copy, factory() returning one fresh copy as the op's state)."""
     if variant == "bf16_cublas":
         return 2 * n * k, lambda: torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-    if variant in ("fp8_scaled_mm", "fp8_linear", "fp8_rowwise_linear"):
-        algo = "FP8_PER_CHANNEL_PER_TOKEN" if variant == "fp8_rowwise_linear" else "FP8"
+    if variant in ("fp8_scaled_mm", "fp8_linear", "fp8_rowwise_linear", "fp8_rowwise_scaled_mm"):
+        algo = "FP8_PER_CHANNEL_PER_TOKEN" if "rowwise" in variant else "FP8"
         return n * k, lambda: prepare_linear(algo, _fp8_tensors(algo, k, n, dev), dev)
     if variant in ("int8_gemm", "int8_linear", "int_mm"):
         return n * k, lambda: prepare_linear("W8A8_SQ_PER_CHANNEL", _int8_tensors(k, n, dev), dev)
@@ -106,6 +106,11 @@ def make_call(variant, state, x, w4_config=None):
         one = torch.tensor(1.0, device=x.device)
         return lambda: torch._scaled_mm(xq, state.weight.t(), scale_a=one, scale_b=state.weight_scale,
                                         out_dtype=torch.bfloat16)
+    if variant == "fp8_rowwise_scaled_mm":
+        xq = x.to(torch.float8_e4m3fn)
+        sa = torch.rand(m, 1, device=x.device)
+        sb = state.weight_scale.reshape(1, -1)
+        return lambda: torch._scaled_mm(xq, state.weight.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
     if variant in ("fp8_linear", "fp8_rowwise_linear", "int8_linear"):
         return lambda: linear(x, state)
     if variant == "int8_gemm":
@@ -136,23 +141,26 @@ def bench_one(variant, k, n, m, dev, reps, w4_config=None):
 
 
 # ---- W4 config sweep (decode and prefill tiles)
-def w4_candidates(m, k):
+def w4_candidates(m, k, stages=None):
     tiles = k // w4a16.PACK_K
+    if stages:  # pipeline-depth experiment at the decode tiles the sweep picks
+        return [(max(16, 1 << (m - 1).bit_length()), 64, s, 4, st) for s in (4, 8) for st in stages]
     if m <= 64:
         bm = max(16, 1 << (m - 1).bit_length())
-        return [(bm, bn, s, w, 3) for bn, w in ((32, 4), (64, 4), (128, 8)) for s in (1, 2, 4, 8, 16) if s <= tiles // 2]
+        return [(bm, bn, s, w, 3) for bn, w in ((32, 4), (64, 4), (128, 8))
+                for s in (1, 2, 4, 8, 16) if s <= tiles // 2]
     splits = (1, 2) if m <= 512 else (1,)
     return [(bm, bn, s, w, 3) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for s in splits
             if not (bm == 128 and bn == 128 and w == 4)]
 
 
-def sweep_w4(shapes, ms, dev, reps, log, deadline):
+def sweep_w4(shapes, ms, dev, reps, log, deadline, stages=None):
     best = {}
     for m in ms:  # small M first: if the budget runs out, prefill keeps its default tiles
         for k, n in shapes:
             for variant in ("w4_int4", "w4_nvfp4"):
                 results = []
-                for cfg in w4_candidates(m, k):
+                for cfg in w4_candidates(m, k, stages):
                     if time.time() > deadline:
                         log("sweep budget spent")
                         return best
@@ -160,7 +168,7 @@ def sweep_w4(shapes, ms, dev, reps, log, deadline):
                 results.sort()
                 best[(variant, k, n, m)] = results[0][1]
                 log(f"sweep {variant} {m}x{k}->{n}: best {results[0][1]} {results[0][0]:.1f} us; "
-                    f"default {w4a16.choose_config(m, n, k)}; top3 {results[:3]}")
+                    f"default {w4a16.choose_config(m, n, k, variant[3:])}; top3 {results[:3]}")
     return best
 
 
@@ -197,7 +205,8 @@ def bench_fp8_producers(shapes, ms, dev, reps):
 
 def _bench_fp8_producer(layers, k, n, m, dev, reps):
     if k == 4096:
-        x, res = torch.randn(m, k, device=dev, dtype=torch.bfloat16), torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        res = torch.randn_like(x)
         w = torch.rand(k, device=dev, dtype=torch.bfloat16)
         producer = lambda scale=None: rms_norm(x, w, 1e-5, res, scale)[0]  # noqa: E731
     else:
@@ -205,10 +214,13 @@ def _bench_fp8_producer(layers, k, n, m, dev, reps):
         producer = lambda scale=None: silu_and_mul(g, scale)  # noqa: E731
     xq = torch.randn(m, k, device=dev).to(torch.float8_e4m3fn)
     one = torch.tensor(1.0, device=dev)
+    def scaled_mm_alone(p):
+        return torch._scaled_mm(xq, p.weight.t(), scale_a=one, scale_b=p.weight_scale, out_dtype=torch.bfloat16)
+
     paths = {
         "producer_bf16": lambda p: producer(),
-        "scaled_mm_alone": lambda p: torch._scaled_mm(xq, p.weight.t(), scale_a=one, scale_b=p.weight_scale,
-                                                      out_dtype=torch.bfloat16),
+        "scaled_mm_alone": scaled_mm_alone,
+        "baseline": lambda p: (producer(), scaled_mm_alone(p)),  # the same two launches, quantization for free
         "fused": lambda p: linear(producer(p.input_scale), p),
         "unfused": lambda p: linear(producer(), p),
     }
@@ -216,8 +228,8 @@ def _bench_fp8_producer(layers, k, n, m, dev, reps):
     for name, fn in paths.items():
         calls = [(lambda p=p, fn=fn: fn(p)) for p in layers]
         row[name + "_us"] = time_us(calls * -(-MIN_CALLS // len(calls)), reps)
-    row["ratio_fused"] = (row["producer_bf16_us"] + row["scaled_mm_alone_us"]) / row["fused_us"]
-    row["ratio_unfused"] = (row["producer_bf16_us"] + row["scaled_mm_alone_us"]) / row["unfused_us"]
+    row["ratio_fused"] = row["baseline_us"] / row["fused_us"]
+    row["ratio_unfused"] = row["baseline_us"] / row["unfused_us"]
     print(f"fp8 producer {m}x{k}->{n}: {row}", flush=True)
     return row
 
@@ -229,8 +241,9 @@ def bench_elementwise(dev, reps):
         r = torch.randn_like(x)
         w = torch.rand(4096, device=dev, dtype=torch.bfloat16)
         g = torch.randn(m, 2 * 14336, device=dev, dtype=torch.bfloat16)
-        for name, fn, ref in [("rms_norm+residual", lambda: rms_norm(x, w, 1e-5, r), lambda: rms_norm_ref(x, w, 1e-5, r)),
-                              ("silu_and_mul 14336", lambda: silu_and_mul(g), lambda: silu_and_mul_ref(g))]:
+        ops = [("rms_norm+residual", lambda: rms_norm(x, w, 1e-5, r), lambda: rms_norm_ref(x, w, 1e-5, r)),
+               ("silu_and_mul 14336", lambda: silu_and_mul(g), lambda: silu_and_mul_ref(g))]
+        for name, fn, ref in ops:
             rows.append({"op": name, "M": m, "triton_us": time_us([fn] * MIN_CALLS, reps),
                          "torch_eager_us": time_us([ref] * MIN_CALLS, reps)})
     return rows
@@ -253,7 +266,8 @@ def table(rows) -> str:
 
 def speedup_summary(rows) -> str:
     base = {(r["in"], r["out"], r["M"]): r["us"] for r in rows if r["variant"] == "bf16_cublas"}
-    variants = [v for v in VARIANTS if v != "bf16_cublas" and any(r["variant"] == v for r in rows)]
+    variants = [v for v in VARIANTS + ["fp8_rowwise_scaled_mm"]
+                if v != "bf16_cublas" and any(r["variant"] == v for r in rows)]
     lines = ["| in->out | M | bf16 us | " + " | ".join(variants) + " |", "|---" * (3 + len(variants)) + "|"]
     for key in sorted(base, key=lambda k: (SHAPES.index(k[:2]) if k[:2] in SHAPES else 9, k[2])):
         cells = []
@@ -273,7 +287,7 @@ def bench_gemms(shapes, ms, variants, dev, reps, w4_best=None):
                     cfg = (w4_best or {}).get((v, k, n, m))
                     rows.append(guarded(bench_one, v, k, n, m, dev, reps, cfg))
                     if v.startswith("w4_"):
-                        rows[-1]["config"] = cfg or w4a16.choose_config(m, n, k)
+                        rows[-1]["config"] = cfg or w4a16.choose_config(m, n, k, v[3:])
                     print(f"{v} {m}x{k}->{n}: {rows[-1]['us']:.1f} us {rows[-1].get('config', '')}", flush=True)
     return rows
 
@@ -296,14 +310,14 @@ def print_report(report):
     print("\n| op | M | Triton us | torch eager us |\n|---|---|---|---|")
     for r in report["elementwise"]:
         print(f"| {r['op']} | {r['M']} | {r['triton_us']:.1f} | {r['torch_eager_us']:.1f} |", flush=True)
-    print("\nFP8 activation quantization: fused into the producer vs a separate kernel, against (producer in bf16 +"
-          " _scaled_mm alone on a pre-quantized input); ratio = that / path, 1.0 = quantization is free.\n")
-    print("| in->out | M | producer | producer bf16 us | _scaled_mm alone us | fused path us | ratio fused |"
-          " unfused path us | ratio unfused |\n|---|---|---|---|---|---|---|---|---|")
+    print("\nFP8 activation quantization, fused into the producer or in a separate kernel, against the baseline"
+          " (producer in bf16, then _scaled_mm alone on an input quantized for free); ratio = baseline / path.\n")
+    print("| in->out | M | producer | producer bf16 us | _scaled_mm alone us | baseline us | fused path us |"
+          " ratio fused | unfused path us | ratio unfused |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in report["fp8_producers"]:
         print(f"| {r['in']}->{r['out']} | {r['M']} | {r['producer']} | {r['producer_bf16_us']:.1f} | "
-              f"{r['scaled_mm_alone_us']:.1f} | {r['fused_us']:.1f} | {r['ratio_fused']:.2f} | {r['unfused_us']:.1f} | "
-              f"{r['ratio_unfused']:.2f} |", flush=True)
+              f"{r['scaled_mm_alone_us']:.1f} | {r['baseline_us']:.1f} | {r['fused_us']:.1f} | "
+              f"{r['ratio_fused']:.2f} | {r['unfused_us']:.1f} | {r['ratio_unfused']:.2f} |", flush=True)
 
 
 def parse_args(argv):
@@ -315,6 +329,7 @@ def parse_args(argv):
     p.add_argument("--check", action="store_true", help="first check every kernel against its reference")
     p.add_argument("--sweep", action="store_true", help="first sweep W4 tile configs, then time W4 with the winners")
     p.add_argument("--sweep-budget-s", type=float, default=240.0, help="stop the W4 sweep after this long")
+    p.add_argument("--w4-stages", help="sweep only these num_stages (comma separated) at 64-wide decode tiles")
     p.add_argument("--int8-sweep", action="store_true", help="also sweep INT8 GEMM tiles at M=4096 (report only)")
     p.add_argument("--json", type=Path, help="write all numbers here")
     return p.parse_args(argv)
@@ -339,9 +354,11 @@ def main(argv=None) -> int:
         ok = all(r["ok"] for r in report["checks"])
     w4_best = {}
     if args.sweep:  # W4 tile configs; the winners are what choose_config encodes (docs/kernels_notes.md)
-        w4_best = sweep_w4(shapes, ms, dev, max(5, args.reps // 2), print, time.time() + args.sweep_budget_s)
+        w4_best = sweep_w4(shapes, ms, dev, max(5, args.reps // 2), print, time.time() + args.sweep_budget_s,
+                           [int(v) for v in args.w4_stages.split(",")] if args.w4_stages else None)
         report["w4_best"] = {"|".join(map(str, k)): v for k, v in w4_best.items()}
-    report["rows"] = bench_gemms(shapes, ms, args.variants.split(","), dev, args.reps, w4_best)
+    variants = [v for v in args.variants.split(",") if v]
+    report["rows"] = bench_gemms(shapes, ms, variants, dev, args.reps, w4_best)
     report["elementwise"] = bench_elementwise(dev, args.reps)
     report["fp8_producers"] = bench_fp8_producers(shapes, ms, dev, args.reps)
     if args.int8_sweep:

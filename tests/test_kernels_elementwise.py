@@ -15,7 +15,8 @@ from lowbit.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # n
 from lowbit.kernels.norm import rms_norm_ref, rms_norm_triton  # noqa: E402
 from lowbit.kernels.rotary import rotary_ref, rotary_triton  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not interpreting(), reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
+pytestmark = pytest.mark.skipif(not interpreting(),
+                                reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
 
 
 def rel_err(out, ref):

@@ -16,7 +16,8 @@ from lowbit.checkpoint.formats import dequantize_weight  # noqa: E402
 from lowbit.kernels import w4a16  # noqa: E402
 from lowbit.kernels.synthetic import quantize_linear  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not interpreting(), reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
+pytestmark = pytest.mark.skipif(not interpreting(),
+                                reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
 
 
 def rel_err(out, ref):

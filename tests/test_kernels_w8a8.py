@@ -19,7 +19,8 @@ from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.kernels.act_quant import act_quant, act_quant_ref  # noqa: E402
 from lowbit.kernels.scaled_gemm import scaled_gemm, scaled_gemm_ref  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not interpreting(), reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
+pytestmark = pytest.mark.skipif(not interpreting(),
+                                reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
 
 
 def rel_err(out, ref):

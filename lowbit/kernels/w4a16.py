@@ -200,13 +200,67 @@ def _split_sum_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def choose_config(M: int, N: int, KP: int):
-    """(BLOCK_M, BLOCK_N, split, num_warps, num_stages) for the W4 kernel, from the H200 sweep in
-    docs/kernels_notes.md: decode takes as many K splits (powers of two, >= 4 tiles each) as keep the number of
-    programs within a budget; prefill takes 128x128 tiles."""
+# (fmt, KP, N, M bucket) -> (BLOCK_M, BLOCK_N, split, num_warps, num_stages): winners of the H200 sweep
+# (`bench/kernels.py --sweep`, 2026-11-30, docs/kernels_notes.md) for the Llama-3.1-8B linear shapes.
+TUNED = {
+    ("int4", 4096, 4096, 1): (16, 64, 8, 4, 3),
+    ("int4", 4096, 4096, 16): (16, 64, 8, 4, 3),
+    ("int4", 4096, 4096, 64): (64, 64, 4, 4, 3),
+    ("int4", 4096, 4096, 256): (128, 64, 1, 4, 3),
+    ("int4", 4096, 4096, 4096): (128, 128, 1, 8, 3),
+    ("int4", 4096, 6144, 1): (16, 64, 4, 4, 3),
+    ("int4", 4096, 6144, 16): (16, 64, 4, 4, 3),
+    ("int4", 4096, 6144, 64): (64, 64, 4, 4, 3),
+    ("int4", 4096, 6144, 256): (64, 64, 1, 4, 3),
+    ("int4", 4096, 6144, 4096): (128, 128, 1, 8, 3),
+    ("int4", 4096, 28672, 1): (16, 128, 4, 8, 3),
+    ("int4", 4096, 28672, 16): (16, 64, 4, 4, 3),
+    ("int4", 4096, 28672, 64): (64, 64, 2, 4, 3),
+    ("int4", 4096, 28672, 256): (64, 64, 1, 4, 3),
+    ("int4", 4096, 28672, 4096): (128, 128, 1, 8, 3),
+    ("int4", 14336, 4096, 1): (16, 64, 8, 4, 3),
+    ("int4", 14336, 4096, 16): (16, 64, 8, 4, 3),
+    ("int4", 14336, 4096, 64): (64, 64, 4, 4, 3),
+    ("int4", 14336, 4096, 256): (128, 128, 2, 8, 3),
+    ("int4", 14336, 4096, 4096): (128, 128, 1, 8, 3),
+    ("nvfp4", 4096, 4096, 1): (16, 64, 8, 4, 3),
+    ("nvfp4", 4096, 4096, 16): (16, 64, 4, 4, 3),
+    ("nvfp4", 4096, 4096, 64): (64, 64, 4, 4, 3),
+    ("nvfp4", 4096, 4096, 256): (128, 128, 2, 8, 3),
+    ("nvfp4", 4096, 4096, 4096): (128, 128, 1, 8, 3),
+    ("nvfp4", 4096, 6144, 1): (16, 64, 8, 4, 3),
+    ("nvfp4", 4096, 6144, 16): (16, 64, 4, 4, 3),
+    ("nvfp4", 4096, 6144, 64): (64, 64, 4, 4, 3),
+    ("nvfp4", 4096, 6144, 256): (64, 64, 1, 4, 3),
+    ("nvfp4", 4096, 6144, 4096): (128, 128, 1, 8, 3),
+    ("nvfp4", 4096, 28672, 1): (16, 64, 4, 4, 3),
+    ("nvfp4", 4096, 28672, 16): (16, 64, 2, 4, 3),
+    ("nvfp4", 4096, 28672, 64): (64, 128, 1, 8, 3),
+    ("nvfp4", 4096, 28672, 256): (128, 128, 2, 8, 3),
+    ("nvfp4", 4096, 28672, 4096): (128, 128, 1, 8, 3),
+    ("nvfp4", 14336, 4096, 1): (16, 64, 16, 4, 3),
+    ("nvfp4", 14336, 4096, 16): (16, 64, 8, 4, 3),
+    ("nvfp4", 14336, 4096, 64): (64, 128, 8, 8, 3),
+    ("nvfp4", 14336, 4096, 256): (128, 128, 2, 8, 3),
+    ("nvfp4", 14336, 4096, 4096): (128, 128, 1, 8, 3),
+}
+
+
+def _m_bucket(M: int) -> int:
+    return 1 if M == 1 else 16 if M <= 16 else 64 if M <= 64 else 256 if M <= 512 else 4096
+
+
+def choose_config(M: int, N: int, KP: int, fmt: str = "int4"):
+    """(BLOCK_M, BLOCK_N, split, num_warps, num_stages): the sweep's winner for a tuned shape; otherwise decode takes
+    as many K splits (powers of two, >= 4 tiles each) as keep the programs within a budget, prefill 128x128 tiles."""
+    tuned = TUNED.get((fmt, KP, N, _m_bucket(M)))
+    if tuned is not None:
+        return (max(16, next_pow2(M)) if M <= 16 else tuned[0],) + tuned[1:]
     tiles = KP // PACK_K
+    if M > 512:
+        return 128, 128, 1, 8, 3
     if M > 64:
-        return (64 if M <= 128 else 128), 128, 1, 8, 3
+        return 64, 64, 1, 4, 3
     block_m, block_n = max(16, next_pow2(M)), 64
     budget = 2048 // (block_m // 16)
     split = 1
@@ -222,7 +276,7 @@ def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
     x = x.contiguous()
     M, K = x.shape
     N, KP = w.out_features, w.qweight.shape[1] * 8
-    block_m, block_n, split, warps, stages = config or choose_config(M, N, KP)
+    block_m, block_n, split, warps, stages = config or choose_config(M, N, KP, w.fmt)
     tiles = KP // PACK_K
     tiles_per_split = cdiv(tiles, split)
     split = cdiv(tiles, tiles_per_split)
