@@ -15,7 +15,7 @@ from lowbit.kernels.synthetic import quantize_linear
 
 # bf16 outputs round at 2**-9 relative: a correct kernel lands near 2e-3 against an fp32 reference
 TOL_BF16 = 1e-2
-LINEAR_SHAPES = [(4096, 6144), (14336, 4096), (576, 1536), (200, 72)]  # (in, out); the last two are ragged
+LINEAR_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (576, 1536), (200, 72)]  # (in, out)
 LINEAR_MS = [1, 7, 16, 64, 256, 1000]
 ALGOS = ["bf16", "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "W8A8_SQ_PER_CHANNEL", "W4A16_AWQ", "W4A16_NVFP4", "NVFP4"]
 
