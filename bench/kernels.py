@@ -5,6 +5,7 @@ that they do not fit in L2 (so decode shapes stream weights from HBM, as in a re
 table (median us, TFLOP/s, GB/s, speedup over cuBLAS bf16 and over _scaled_mm alone); --json writes every number.
 """
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -15,11 +16,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ as a plain folder of scripts
-
-from lowbit.kernels import linear, prepare_linear, rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref  # noqa: E402
-from lowbit.kernels import scaled_gemm as sg  # noqa: E402
-from lowbit.kernels import w4a16  # noqa: E402
+from lowbit.kernels import linear, prepare_linear, rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref
+from lowbit.kernels import scaled_gemm as sg
+from lowbit.kernels import w4a16
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out): qkv, o, gate_up, down
 MS = [1, 16, 64, 256, 4096]
@@ -320,6 +319,16 @@ def print_report(report):
               f"{r['ratio_fused']:.2f} | {r['unfused_us']:.1f} | {r['ratio_unfused']:.2f} |", flush=True)
 
 
+def load_sibling(name: str):
+    """bench/<name>.py by path (bench/ is a folder of scripts; putting it on sys.path would let this file shadow
+    the PyPI package `kernels` that transformers imports)."""
+    path = Path(__file__).resolve().with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"lowbit_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="lowbit bench kernels", description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="in x out, comma separated")
@@ -348,9 +357,9 @@ def main(argv=None) -> int:
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": argv or sys.argv[1:]}
     ok = True
     if args.check:
-        from kernels_check import format_checks, run_checks
-        report["checks"] = run_checks(dev)
-        print(format_checks(report["checks"]), flush=True)
+        check = load_sibling("kernels_check")
+        report["checks"] = check.run_checks(dev)
+        print(check.format_checks(report["checks"]), flush=True)
         ok = all(r["ok"] for r in report["checks"])
     w4_best = {}
     if args.sweep:  # W4 tile configs; the winners are what choose_config encodes (docs/kernels_notes.md)
