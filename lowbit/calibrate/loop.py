@@ -25,12 +25,21 @@ def forward_loop(batches: list[list[int]], desc: str = "calibrating"):
     return loop
 
 
-def calibrate(model, recipe: Recipe, batches: list[list[int]]):
-    """Insert and calibrate the recipe's quantizers in place; returns the model (now fake-quantized)."""
+def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | None = None):
+    """Insert and calibrate the recipe's quantizers in place; returns the model (now fake-quantized).
+
+    `config` replaces the recipe's modelopt config (bench/accuracy.py passes modelopt's stock config).
+    """
     import modelopt.torch.quantization as mtq
 
+    from lowbit.calibrate import nvfp4_cpu
+    from lowbit.calibrate.kv import check_kv_calibrated
+
     t0 = time.time()
-    cfg = modelopt_config(recipe)
+    nvfp4_cpu.install()  # CPU kernel for NVFP4 dynamic block quantization; CUDA keeps modelopt's own
+    cfg = config if config is not None else modelopt_config(recipe, model)
     model = mtq.quantize(model, cfg, forward_loop(batches, desc=f"calibrating {recipe.name}"))
+    if recipe.kv_cache:
+        check_kv_calibrated(model)
     print(f"[lowbit] calibrated {len(batches)} x {len(batches[0])} tokens in {time.time() - t0:.1f} s", file=sys.stderr)
     return model

@@ -43,7 +43,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     upper = (idx + 1).clamp(max=7)
     tie = (dist.gather(-1, upper.unsqueeze(-1)).squeeze(-1) == dist.gather(-1, idx.unsqueeze(-1)).squeeze(-1))
     idx = torch.where(tie & (idx % 2 == 1) & (upper != idx), upper, idx)
-    sign = ((x < 0) & (idx > 0)).to(torch.uint8) << 3
+    sign = (x < 0).to(torch.uint8) << 3  # negative values that round to 0 keep the sign (code 8), as modelopt
     return sign | idx.to(torch.uint8)
 
 
@@ -63,22 +63,30 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
 
 
+def nvfp4_block_scale(block_amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 block scales as modelopt's export writes them: amax_block / (6 * global_scale), 1.0 for an all-zero
+    block, clamped to [2^-9, 448] (the smallest e4m3 subnormal; nothing underflows to 0 or overflows to NaN)."""
+    scale = block_amax.float() / (E2M1_MAX * global_scale.float())
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return scale.clamp(min=2.0**-9, max=FP8_MAX).to(torch.float8_e4m3fn)
+
+
 def nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor):
     """Block-16 NVFP4 quantization of x [..., n] (n % 16 == 0) with a given fp32 global scale (amax/(6*448)).
 
-    Returns (codes uint8 [..., n], block_scale float8_e4m3fn [..., n/16]).
+    Returns (codes uint8 [..., n], block_scale float8_e4m3fn [..., n/16]), equal to modelopt's export.
     """
     blocks = x.float().reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
-    block_amax = blocks.abs().amax(dim=-1)
-    block_scale = (block_amax / (E2M1_MAX * global_scale)).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
-    denom = block_scale.float().unsqueeze(-1) * global_scale
-    scaled = torch.where(denom > 0, blocks / denom, torch.zeros_like(blocks))
-    return e2m1_codes(scaled).reshape(x.shape), block_scale
+    block_scale = nvfp4_block_scale(blocks.abs().amax(dim=-1), global_scale)
+    scale = (block_scale.float() * global_scale.float()).unsqueeze(-1)  # fp32 product first, as modelopt does
+    return e2m1_codes(blocks / scale).reshape(x.shape), block_scale
 
 
 def nvfp4_dequantize(codes: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [..., n], block_scale [..., n/16] -> float32 [..., n] = e2m1 * (block_scale * global_scale)."""
     values = e2m1_decode(codes).reshape(*codes.shape[:-1], -1, NVFP4_BLOCK)
-    return (values * block_scale.float().unsqueeze(-1) * global_scale.float()).reshape(codes.shape)
+    scale = (block_scale.float() * global_scale.float()).unsqueeze(-1)
+    return (values * scale).reshape(codes.shape)
 
 
 # ---- weights
@@ -110,12 +118,20 @@ def fake_quant_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
 
 
 def fake_quant_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (x.float() / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale
+    """Static int8 activations use the full range [-128, 127] (modelopt's input quantizer, TRT-LLM's s8 cast)."""
+    return (x.float() / scale).round().clamp(-INT8_MAX - 1, INT8_MAX) * scale
 
 
 def fake_quant_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    codes, block_scale = nvfp4_quantize(x, global_scale)
-    return nvfp4_dequantize(codes, block_scale, global_scale)
+    """Dynamic NVFP4 activation quantization (block scales from each block's amax, global scale from the
+    checkpoint's input_scale). A block whose e4m3 scale underflows to 0 becomes 0, as in NVIDIA's kernels;
+    modelopt's fake quant instead zeroes blocks whose scale * global_scale < 1e-5 (negligible difference)."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
+    in_range = (blocks.abs().amax(dim=-1) / (E2M1_MAX * global_scale.float())).clamp(max=FP8_MAX)
+    scale = (in_range.to(torch.float8_e4m3fn).float() * global_scale.float()).unsqueeze(-1)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = torch.where(scale > 0, e2m1_decode(e2m1_codes(blocks / safe)) * scale, torch.zeros_like(blocks))
+    return y.reshape(x.shape)
 
 
 def quantize_activation(algo: str, x: torch.Tensor, t: dict) -> torch.Tensor:
