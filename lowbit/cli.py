@@ -22,7 +22,7 @@ def _module(name: str):
     return importlib.import_module(SUBCOMMANDS[name][0])
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+def build_parser(only: str | None = None, argv=None) -> argparse.ArgumentParser:
     if only:
         mod = _module(only)
         parser = argparse.ArgumentParser(prog=only, description=SUBCOMMANDS[only][1], epilog=getattr(mod, "EXAMPLES", None),
@@ -33,7 +33,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lowbit", description="Quantize, gate and serve LLMs on low-precision kernels.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (_, help_text) in SUBCOMMANDS.items():
-        if name not in sys.argv[1:2]:  # import only the module whose subcommand runs
+        if name not in (sys.argv[1:] if argv is None else argv)[:1]:  # import only the module that runs
             sub.add_parser(name, help=help_text)
             continue
         mod = _module(name)
@@ -56,7 +56,7 @@ def _run(parser: argparse.ArgumentParser, argv) -> int:
 
 
 def main(argv=None) -> int:
-    return _run(build_parser(), argv)
+    return _run(build_parser(argv=argv), argv)
 
 
 def quantize_main(argv=None) -> int:

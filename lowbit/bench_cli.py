@@ -1,0 +1,30 @@
+"""`lowbit bench NAME [ARGS...]`: runs bench/NAME.py's main(ARGS) from a source checkout.
+
+Benchmarks print their figures (and write JSON with --json); they are never timed unit tests.
+"""
+import importlib.util
+from pathlib import Path
+
+from lowbit.errors import UserError
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+BENCHES = {
+    "kernels": "kernels.py",  # low-precision GEMMs vs cuBLAS bf16 and torch._scaled_mm (GPU)
+    "accuracy": "accuracy.py",  # every recipe on the embedded model: time, size, held-out perplexity (CPU)
+    "serve-load": "serve_load.py",  # concurrent streaming clients against `lowbit serve` (loopback)
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    parser.add_argument("args", nargs="...", help="arguments for the benchmark (see `lowbit bench NAME --help`)")
+
+
+def run(args) -> int:
+    path = BENCH_DIR / BENCHES[args.name]
+    if not path.is_file():
+        raise UserError(f"{path} not found: benchmarks run from a source checkout (pip install -e .)")
+    spec = importlib.util.spec_from_file_location(f"lowbit_bench_{args.name.replace('-', '_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(args.args) or 0
