@@ -1,0 +1,271 @@
+"""Paged attention over one KV tensor per layer: KV store, decode (split along the context) and prefill/extend.
+
+kv_cache [2, num_blocks, block_size, Hk, D], model dtype or float8_e4m3fn holding k / k_scale (v / v_scale).
+Token p of sequence b lives in slot block_tables[b, p // block_size] * block_size + p % block_size.
+Grouped-query: query head h reads KV head h // (Hq // Hk). Every op has a torch reference of the same signature.
+Launchers take device tensors only (no host sync), so decode can be captured in a CUDA graph.
+"""
+import torch
+import torch.nn.functional as F
+
+from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl
+
+FP8_MAX = 448.0
+DECODE_BLOCK_N = 64
+PREFILL_BLOCK_M, PREFILL_BLOCK_N = 64, 64
+MAX_SPLITS = 16
+TARGET_PROGRAMS = 264  # 2 per SM on the H200's 132 SMs
+
+
+# ---- references
+def store_kv_ref(k, v, kv_cache, slot_mapping, k_scale, v_scale) -> None:
+    """k, v [T, Hk, D] -> kv_cache[:, slot // block_size, slot % block_size]; slots < 0 are skipped."""
+    keep = slot_mapping >= 0
+    flat = _bits(kv_cache).view(2, -1, *kv_cache.shape[-2:])
+    for i, (x, s) in enumerate(((k, k_scale), (v, v_scale))):
+        flat[i].index_copy_(0, slot_mapping[keep], _bits(_quantize(x[keep], s, kv_cache.dtype)))
+
+
+def _bits(x):
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
+
+
+def _quantize(x, scale, dtype):
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def _gather_seq(kv_cache, table, n, scale_k, scale_v, dtype):
+    """-> k, v [n, Hk, D] of one sequence, dequantized to dtype."""
+    bs = kv_cache.shape[2]
+    blocks = table[:cdiv(n, bs)].long()
+    out = []
+    for i, s in ((0, scale_k), (1, scale_v)):
+        x = _bits(kv_cache[i])[blocks].flatten(0, 1)[:n].view(kv_cache.dtype)
+        out.append((x.float() * s).to(dtype) if x.dtype == torch.float8_e4m3fn else x.to(dtype))
+    return out
+
+
+def paged_prefill_ref(q, kv_cache, query_start_loc, context_lens, block_tables, max_query_len, scale,
+                      k_scale, v_scale) -> torch.Tensor:
+    """q [T, Hq, D] (the new tokens of all sequences) -> [T, Hq, D]; query i of b sits at ctx_len - q_len + i."""
+    out = torch.empty_like(q)
+    qsl, lens = query_start_loc.tolist(), context_lens.tolist()
+    for b, ctx_len in enumerate(lens):
+        s, e = qsl[b], qsl[b + 1]
+        k, v = _gather_seq(kv_cache, block_tables[b], ctx_len, k_scale, v_scale, q.dtype)
+        pos = torch.arange(ctx_len - (e - s), ctx_len, device=q.device)
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= pos[:, None]
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True)
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+def paged_decode_ref(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scale,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """q [B, Hq, D], one new token per sequence (its K/V already stored) -> [B, Hq, D]."""
+    qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_prefill_ref(q, kv_cache, qsl, context_lens, block_tables, 1, scale, k_scale, v_scale)
+
+
+# ---- KV store
+@kernel
+def _store_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, ks_ptr, vs_ptr, k_stride, v_stride, half_stride,
+                     HKD: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HKD
+    k = tl.load(k_ptr + t * k_stride + offs, mask=mask)
+    v = tl.load(v_ptr + t * v_stride + offs, mask=mask)
+    dst = kv_ptr + slot * HKD + offs
+    if FP8:
+        k = tl.div_rn(k.to(tl.float32), tl.load(ks_ptr))
+        v = tl.div_rn(v.to(tl.float32), tl.load(vs_ptr))
+        k = tl.minimum(tl.maximum(k, -448.0), 448.0).to(tl.float8e4nv)
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv)
+    tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + half_stride, v.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale) -> None:
+    """Triton: same contract as store_kv_ref. k, v [T, Hk, D] with contiguous heads (row stride free)."""
+    t, hk, d = k.shape
+    if k.stride(1) != d or k.stride(2) != 1 or v.stride(1) != d or v.stride(2) != 1:
+        raise ValueError("store_kv needs k, v with contiguous [Hk, D] rows")
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    ks, vs = (_scale_tensor(k_scale, k.device), _scale_tensor(v_scale, k.device)) if fp8 else (k, v)
+    _store_kv_kernel[(t,)](k, v, kv_cache, slot_mapping, ks, vs, k.stride(0), v.stride(0), kv_cache.stride(0),
+                           HKD=hk * d, BLOCK=next_pow2(hk * d), FP8=fp8, num_warps=4)
+
+
+def _scale_tensor(s, device):
+    if isinstance(s, torch.Tensor):
+        return s.to(device=device, dtype=torch.float32).reshape(1)
+    return torch.tensor([float(s)], dtype=torch.float32, device=device)
+
+
+
+# ---- attention: one tile of cached keys at a time, online softmax in fp32 (log2 domain)
+@helper
+def _kv_tile(kv_ptr, bt_ptr, bt_row, offs_n, mask_n, kvh, offs_d, half_stride, HKD: tl.constexpr, D: tl.constexpr,
+             BS: tl.constexpr):
+    """-> K, V tiles [BLOCK_N, D] of tokens offs_n, gathered through the block table row, in the stored dtype."""
+    blk = tl.load(bt_ptr + bt_row + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
+    ptrs = kv_ptr + (blk * BS + offs_n % BS)[:, None] * HKD + kvh * D + offs_d[None, :]
+    k = tl.load(ptrs, mask=mask_n[:, None], other=0.0)
+    v = tl.load(ptrs + half_stride, mask=mask_n[:, None], other=0.0)
+    return k, v
+
+
+@helper
+def _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale):
+    """q [M, D], k/v [N, D], valid [M, N] -> updated running max m [M], sum l [M], acc [M, D] (all fp32)."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)) * v_scale
+    return m_new, l, acc
+
+
+@kernel
+def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, out_ptr, part_ptr, lse_ptr, qk_scale,
+                   bt_stride, half_stride, num_splits,
+                   HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                   BS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr):
+    """Program (b, kv head, split): the G query heads of one KV head over one slice of the context."""
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx_len = tl.load(ctx_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, ctx_len)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    heads = kvh * G + offs_g
+    mask_g = offs_g < G
+    q = tl.load(q_ptr + (b * HQ + heads)[:, None] * D + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+    k_scale, v_scale = 1.0, 1.0
+    if FP8:
+        k_scale, v_scale = tl.load(ks_ptr), tl.load(vs_ptr)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        k, v = _kv_tile(kv_ptr, bt_ptr, b * bt_stride, offs_n, mask_n, kvh, offs_d, half_stride, HKD, D, BS)
+        m, l, acc = _softmax_step(q, k, v, mask_n[None, :], m, l, acc, qk_scale * k_scale, v_scale)
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    if DIRECT:
+        tl.store(out_ptr + (b * HQ + heads)[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=mask_g[:, None])
+    else:
+        row = (b * HQ + heads) * num_splits + split  # partials [B, HQ, S, D], lse [B, HQ, S] (log2)
+        tl.store(part_ptr + row[:, None] * D + offs_d[None, :], o, mask=mask_g[:, None])
+        tl.store(lse_ptr + row, tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf")), mask=mask_g)
+
+
+@kernel
+def _combine_kernel(part_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, SP: tl.constexpr):
+    """Program (b * HQ + h): merges the splits' partial outputs by their log-sum-exp."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, SP)
+    offs_d = tl.arange(0, D)
+    mask_s = offs_s < num_splits
+    lse = tl.load(lse_ptr + row * num_splits + offs_s, mask=mask_s, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(part_ptr + (row * num_splits + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None],
+                   other=0.0)
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + row * D + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+LOG2E = 1.4426950408889634
+
+
+def decode_splits(batch: int, num_kv_heads: int) -> int:
+    """Context splits per (sequence, KV head): enough programs to fill the GPU. Depends on shapes only (graphs)."""
+    return max(1, min(MAX_SPLITS, cdiv(TARGET_PROGRAMS, batch * num_kv_heads)))
+
+
+def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scale,
+                 num_splits: int | None = None) -> torch.Tensor:
+    """Triton: same contract as paged_decode_ref. No host sync (graph-capturable)."""
+    bsz, hq, d = q.shape
+    _, _, bs, hk, _ = kv_cache.shape
+    g = hq // hk
+    s = num_splits or decode_splits(bsz, hk)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    ks, vs = (_scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)) if fp8 else (q, q)
+    part = torch.empty(bsz, hq, s, d, dtype=torch.float32, device=q.device) if s > 1 else out
+    lse = torch.empty(bsz, hq, s, dtype=torch.float32, device=q.device) if s > 1 else out
+    _decode_kernel[(bsz, hk, s)](q, kv_cache, block_tables, context_lens, ks, vs, out, part, lse, scale * LOG2E,
+                                 block_tables.stride(0), kv_cache.stride(0), s, HQ=hq, HKD=hk * d, G=g,
+                                 GP=max(16, next_pow2(g)), D=d, BS=bs, BLOCK_N=DECODE_BLOCK_N, FP8=fp8,
+                                 DIRECT=s == 1, num_warps=4)
+    if s > 1:
+        _combine_kernel[(bsz * hq,)](part, lse, out, s, D=d, SP=next_pow2(s), num_warps=4)
+    return out
+
+
+@kernel
+def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, out_ptr, qk_scale, bt_stride,
+                    half_stride, HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr):
+    """Program (query tile, b, query head): causal attention of new tokens over cached + new keys."""
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    m0 = tl.program_id(0) * BLOCK_M
+    if m0 >= q_len:
+        return
+    ctx_len = tl.load(ctx_ptr + b)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    mask_m = offs_m < q_len
+    pos = ctx_len - q_len + offs_m  # absolute position of each query
+    rows = (q_start + offs_m).to(tl.int64) * HQ + h
+    q = tl.load(q_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_m[:, None], other=0.0)
+    k_scale, v_scale = 1.0, 1.0
+    if FP8:
+        k_scale, v_scale = tl.load(ks_ptr), tl.load(vs_ptr)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    end = tl.minimum(ctx_len, ctx_len - q_len + m0 + BLOCK_M)
+    for n0 in range(0, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        k, v = _kv_tile(kv_ptr, bt_ptr, b * bt_stride, offs_n, mask_n, h // G, offs_d, half_stride, HKD, D, BS)
+        valid = mask_n[None, :] & (offs_n[None, :] <= pos[:, None])
+        m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale * k_scale, v_scale)
+    o = acc / l[:, None]
+    tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
+
+
+def paged_prefill(q, kv_cache, query_start_loc, context_lens, block_tables, max_query_len, scale,
+                  k_scale, v_scale) -> torch.Tensor:
+    """Triton: same contract as paged_prefill_ref. max_query_len (host int) sizes the grid."""
+    t, hq, d = q.shape
+    _, _, bs, hk, _ = kv_cache.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    ks, vs = (_scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)) if fp8 else (q, q)
+    grid = (cdiv(max_query_len, PREFILL_BLOCK_M), block_tables.shape[0], hq)
+    _prefill_kernel[grid](q, kv_cache, block_tables, query_start_loc, context_lens, ks, vs, out, scale * LOG2E,
+                          block_tables.stride(0), kv_cache.stride(0), HQ=hq, HKD=hk * d, G=hq // hk, D=d, BS=bs,
+                          BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, FP8=fp8, num_warps=4)
+    return out
