@@ -160,3 +160,32 @@ def test_metrics_are_prometheus_text(server):
                  "lowbit_prefix_cache_hit_rate", "lowbit_generation_tokens_per_second"]:
         assert name in m
     assert m["lowbit_time_to_first_token_seconds_count"] > 0
+
+
+def test_lm_eval_local_completions_scores_like_in_process(server, monkeypatch):
+    """lm-eval's local-completions (echo + logprobs on token-id prompts) against HFLM on the same model."""
+    pytest.importorskip("lm_eval")
+    import torch
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from lowbit.checkpoint import load_reference_model
+    from lowbit.models import resolve
+
+    torch.set_num_threads(1)
+    pairs = [("The capital of France is", " Paris"), ("Once upon a time", " there was a king"),
+             ("Question: what is two plus two? Answer:", " four")]
+
+    def instances():
+        return [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    path = resolve(DEFAULT_MODEL)
+    remote = LocalCompletionsAPI(base_url=f"{server}/v1/completions", model=DEFAULT_MODEL,
+                                 tokenizer_backend="huggingface", tokenizer=str(path), batch_size=2, max_retries=1)
+    model, tokenizer = load_reference_model(path)
+    local = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1)
+    served, in_process = remote.loglikelihood(instances()), local.loglikelihood(instances())
+    for (ll, greedy), (ref_ll, ref_greedy) in zip(served, in_process):
+        assert ll == pytest.approx(ref_ll, abs=1e-3) and greedy == ref_greedy

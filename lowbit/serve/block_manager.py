@@ -64,7 +64,7 @@ class BlockManager:
             return []
         matched, prev = [], None
         for i in range((seq.num_tokens - 1) // self.block_size):
-            tokens = tuple(seq.block(i))
+            tokens = seq.block(i, self.block_size)
             prev = chain_hash(prev, tokens)
             block_id = self.hash_to_block_id.get(prev)
             if block_id is None or self.blocks[block_id].token_ids != tokens:
@@ -110,7 +110,7 @@ class BlockManager:
         for i in range(seq.num_hashed_blocks, full):
             prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
             block = self.blocks[seq.block_table[i]]
-            block.token_ids = tuple(seq.block(i))
+            block.token_ids = seq.block(i, self.block_size)
             block.hash = chain_hash(prev, block.token_ids)
             self.hash_to_block_id.setdefault(block.hash, block.block_id)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)

@@ -46,7 +46,6 @@ class Engine:
         ckpt = checkpoint.read(self.path)
         self.runner = ModelRunner(ckpt, self.config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        Sequence.block_size = self.config.block_size
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_num_tokens)

@@ -12,7 +12,6 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    block_size = 16
     _ids = count()
 
     def __init__(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None):
@@ -48,10 +47,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def num_blocks(self) -> int:
-        return (self.num_tokens + self.block_size - 1) // self.block_size
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
@@ -64,8 +59,8 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
 
-    def block(self, i: int) -> list[int]:
-        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+    def block(self, i: int, block_size: int) -> tuple[int, ...]:
+        return tuple(self.token_ids[i * block_size:(i + 1) * block_size])
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -1,0 +1,121 @@
+"""`--load-format dummy`: a checkpoint of random weights at a real model's shapes, built on the device as it loads.
+
+Nothing is read from disk: `DummyCheckpoint.tensors()` is a lazy mapping that draws one linear module's float
+weight on the GPU (seeded by its name), quantizes it to the format with lowbit.kernels.synthetic, and hands its
+tensors out once each, so at most one module's source tensors exist beside the prepared model.
+"""
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from lowbit.checkpoint import Checkpoint
+from lowbit.kernels.synthetic import quantize_linear
+
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+}
+FORMATS = {  # name -> (quant_algo of the linears, kv_cache_quant_algo)
+    "bf16": (None, None), "fp8": ("FP8", "FP8"), "int4_awq": ("W4A16_AWQ", None), "nvfp4": ("NVFP4", None),
+}
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+STD = 0.02  # HF's initializer_range: keeps 32 random layers finite and the logits spread
+
+
+def dummy_checkpoint(fmt: str = "bf16", config: dict | None = None, seed: int = 0, device="cuda",
+                     max_position_embeddings: int | None = None) -> "DummyCheckpoint":
+    if fmt not in FORMATS:
+        raise ValueError(f"dummy format {fmt!r} is not one of {sorted(FORMATS)}")
+    config = dict(config or LLAMA_3_1_8B)
+    if max_position_embeddings:
+        config["max_position_embeddings"] = max_position_embeddings
+    algo, kv_algo = FORMATS[fmt]
+    quant = None if algo is None else {"quant_algo": algo, "kv_cache_quant_algo": kv_algo,
+                                       "exclude_modules": ["lm_head"], "group_size": 128}
+    return DummyCheckpoint(Path(f"dummy-{fmt}"), config, quant, None, None, seed=seed, device=torch.device(device))
+
+
+class DummyCheckpoint(Checkpoint):
+    def __init__(self, path, config, quant, recipe, manifest, seed: int, device: torch.device):
+        super().__init__(path, config, quant, recipe, manifest)
+        self.seed, self.device = seed, device
+
+    def tensors(self, device: str = "cpu") -> "LazyTensors":
+        return LazyTensors(self)
+
+
+class LazyTensors(Mapping):
+    """name -> tensor on the checkpoint's device, drawn on first access (per linear module: all its tensors)."""
+
+    def __init__(self, ckpt: DummyCheckpoint):
+        self.ckpt = ckpt
+        self.names = _tensor_names(ckpt)
+        self._module: tuple[str, dict] | None = None
+
+    def __len__(self):
+        return len(self.names)
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __contains__(self, name):
+        return name in self.names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise KeyError(name)
+        module, suffix = name.rsplit(".", 1)
+        if self._module is None or self._module[0] != module:
+            self._module = (module, self._draw_module(module))
+        return self._module[1][suffix]
+
+    def _generator(self, name: str) -> torch.Generator:
+        return torch.Generator(self.ckpt.device).manual_seed(self.ckpt.seed * 1_000_003 + zlib.crc32(name.encode()))
+
+    def _draw_module(self, module: str) -> dict:
+        c, dev = self.ckpt.config, self.ckpt.device
+        g = self._generator(module)
+        if module.endswith(("norm", "layernorm")):
+            return {"weight": 1 + 0.1 * torch.randn(c["hidden_size"], generator=g, device=dev)}
+        if module == "model.embed_tokens":
+            return {"weight": torch.randn(c["vocab_size"], c["hidden_size"], generator=g, device=dev)}
+        out_f, in_f = _linear_shape(c, module)
+        w = STD * torch.randn(out_f, in_f, generator=g, device=dev)
+        algo = self.ckpt.layer_algo(module)
+        tensors = {"weight": w.to(torch.bfloat16)} if algo is None else quantize_linear(algo, w)
+        if self.ckpt.kv_algo == "FP8" and module.endswith((".k_proj", ".v_proj")):
+            kind = module[-6]  # "k" or "v"
+            tensors[f"{kind}_scale"] = torch.tensor(0.05 if kind == "k" else 0.01, device=dev)  # amax 22.4 / 4.5
+        return tensors
+
+
+def _linear_shape(c: dict, module: str) -> tuple[int, int]:
+    """(out_features, in_features) of a linear module by its HF name."""
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    d = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+              "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter), "lm_head": (c["vocab_size"], h)}
+    return shapes[module.rsplit(".", 1)[-1]]
+
+
+def _tensor_names(ckpt: DummyCheckpoint) -> set[str]:
+    c = ckpt.config
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    suffixes = {None: ["weight"], "FP8": ["weight", "weight_scale", "input_scale"],
+                "W4A16_AWQ": ["weight", "weight_scale"], "NVFP4": ["weight", "weight_scale", "weight_scale_2",
+                                                                  "input_scale"]}[ckpt.quant_algo]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        names |= {p + m + "." + s for m in LINEARS for s in suffixes}
+        if ckpt.kv_algo == "FP8":
+            names |= {p + "self_attn.k_proj.k_scale", p + "self_attn.v_proj.v_scale"}
+    return names
