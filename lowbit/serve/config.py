@@ -9,6 +9,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped by the KV pool
     kv_cache_fraction: float | None = None  # of free memory (GPU, after weights; default 0.9) or of available RAM (CPU; default 0.05)
     num_kv_blocks: int | None = None  # an exact pool size; overrides kv_cache_fraction
+    kv_cache_max_tokens: int | None = None  # caps the pool sized by kv_cache_fraction (TensorRT-LLM's max_tokens)
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (GPU only)
     block_size: int = 16
     enable_prefix_caching: bool = True
     dtype: str = "auto"  # auto: the checkpoint's; or float32 / bfloat16 / float16
@@ -17,7 +19,7 @@ class EngineConfig:
 
     def __post_init__(self):
         positive = ["max_batch_size", "max_num_tokens", "block_size"]
-        for name in positive + ["max_model_len", "num_kv_blocks"]:
+        for name in positive + ["max_model_len", "num_kv_blocks", "kv_cache_max_tokens"]:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")

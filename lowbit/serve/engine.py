@@ -37,15 +37,16 @@ class Request:
 
 
 class Engine:
-    def __init__(self, model: str | Path, config: EngineConfig | None = None):
+    def __init__(self, model: str | Path, config: EngineConfig | None = None, ckpt=None, tokenizer=None):
+        """ckpt / tokenizer: given objects instead of reading them from the model's directory (dummy weights)."""
         from transformers import AutoTokenizer
 
         self.config = config or EngineConfig()
-        self.path = models.resolve(str(model))
+        self.path = models.resolve(str(model)) if ckpt is None else ckpt.path
         self.name = str(model)
-        ckpt = checkpoint.read(self.path)
+        ckpt = ckpt or checkpoint.read(self.path)
         self.runner = ModelRunner(ckpt, self.config)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(self.path)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_num_tokens)

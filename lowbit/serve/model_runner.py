@@ -5,6 +5,7 @@ from lowbit.checkpoint import Checkpoint
 from lowbit.serve.attention import Attention
 from lowbit.serve.config import EngineConfig
 from lowbit.serve.context import StepContext
+from lowbit.serve.kv_pool import gpu_blocks_that_fit, warm_up_peak
 from lowbit.serve.loader import load_model, model_dtype
 from lowbit.serve.scheduler import Batch
 
@@ -20,11 +21,25 @@ class ModelRunner:
         if ckpt.kv_algo not in (None, "FP8"):
             raise ValueError(f"kv_cache_quant_algo {ckpt.kv_algo!r} is not supported (FP8 or none)")
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        gpu_attention = self.device.type == "cuda" and _use_gpu_attention()
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         a = self.attn_layers[0]
         shape = (2, self.num_blocks, config.block_size, a.num_kv_heads, a.head_dim)
         for layer in self.attn_layers:
             layer.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.graphs = None
+        if gpu_attention and config.cuda_graphs:
+            self.graphs = self._capture_decode_graphs(ckpt.config)
+
+    def _capture_decode_graphs(self, model_config: dict):
+        from lowbit.serve.cuda_graphs import DecodeGraphs
+
+        bs = self.config.block_size
+        limits = [model_config.get("max_position_embeddings", 4096), self.num_blocks * bs, self.config.max_model_len]
+        max_len = min(x for x in limits if x)
+        graphs = DecodeGraphs(self.model, self.config.max_batch_size, -(-max_len // bs), self.device)
+        graphs.capture()
+        return graphs
 
     @property
     def block_bytes(self) -> int:
@@ -33,8 +48,10 @@ class ModelRunner:
 
     def _blocks_that_fit(self) -> int:
         if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-            budget = free * (self.config.kv_cache_fraction or 0.9)
+            peak = warm_up_peak(self.model, self.attn_layers, self.config.max_num_tokens, self.config.block_size,
+                                self.kv_dtype, self.device)
+            return gpu_blocks_that_fit(self.block_bytes, self.config.block_size, peak, self.device,
+                                       self.config.kv_cache_fraction or 0.9, self.config.kv_cache_max_tokens)
         else:
             budget = _available_ram() * (self.config.kv_cache_fraction or 0.05)
         return max(1, int(budget // self.block_bytes))
@@ -68,8 +85,21 @@ class ModelRunner:
     def run(self, batch: Batch, logit_rows: list[list[int]]) -> torch.Tensor:
         """Computes the batch's new tokens (K/V into the cache); returns float32 logits [sum(len(rows)), V]."""
         input_ids, ctx = self.prepare(batch, logit_rows)
+        if self.graphs is not None and self.graphs.can_run(ctx) and all(r == [0] for r in logit_rows):
+            return self.graphs.run(input_ids, ctx)
         hidden = self.model(input_ids, ctx)
         return self.model.compute_logits(hidden[ctx.logits_indices])
+
+
+def _use_gpu_attention() -> bool:
+    """Installs the Triton attention backend when Triton is there; returns whether it did."""
+    from lowbit.kernels._triton import HAS_TRITON
+    from lowbit.serve.attention import set_attention_backend
+    from lowbit.serve.triton_attention import TritonAttentionBackend
+
+    if HAS_TRITON:
+        set_attention_backend(TritonAttentionBackend())
+    return HAS_TRITON
 
 
 def _available_ram() -> int:

@@ -1,0 +1,380 @@
+"""`lowbit bench serve`: lowbit's engine on dummy Llama-3.1-8B weights in each format, against HF transformers.
+
+Phases (each bounded by --deadline-s; a failed phase is reported with its traceback and the rest still run):
+  check    kernels + CUDA graphs vs the same engine on the torch reference path, per format, on the same weights
+           (a --check-layers-deep model of the real widths): logits rel. error and greedy tokens
+  hf       HF transformers `generate` on the same dummy bf16 model, batch --hf-batch, ISL/OSL
+  formats  per format: batch-1 latency (TTFT, ITL), offline maximum-load throughput (N requests, EOS ignored),
+           and for bf16 the HF workload through lowbit (the ratio)
+  extra    FP8 maximum load at the other ISL/OSL pairs of issue 7 (--extra)
+Writes JSON (--json) and a markdown section (--markdown, appended).
+"""
+import argparse
+import gc
+import json
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lowbit.serve import attention as attn_mod  # noqa: E402
+from lowbit.serve import layers as layers_mod  # noqa: E402
+from lowbit.serve.config import EngineConfig  # noqa: E402
+from lowbit.serve.dummy_weights import FORMATS, LLAMA_3_1_8B, dummy_checkpoint  # noqa: E402
+from lowbit.serve.engine import Engine  # noqa: E402
+from lowbit.serve.sampling_params import SamplingParams  # noqa: E402
+
+TINY = dict(LLAMA_3_1_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=2048, dtype="float32")
+
+
+class DummyTokenizer:
+    """Token ids in, nothing out: detokenization is not part of these measurements."""
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="lowbit bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--formats", default="bf16,fp8,int4_awq,nvfp4")
+    p.add_argument("--load-format", default="dummy", choices=["dummy"])
+    p.add_argument("--isl", type=int, default=128)
+    p.add_argument("--osl", type=int, default=128)
+    p.add_argument("--num-requests", type=int, default=1024)
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument("--hf-batch", type=int, default=64)
+    p.add_argument("--phases", default="check,hf,formats,extra")
+    p.add_argument("--check-layers", type=int, default=2)
+    p.add_argument("--extra", default="1000/1000/256,2048/128/512", help="ISL/OSL/N for FP8 maximum load")
+    p.add_argument("--tiny", action="store_true", help="a tiny fp32 config (CPU smoke test)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--deadline-s", type=float, default=1e9)
+    p.add_argument("--json")
+    p.add_argument("--markdown")
+    return p.parse_args(argv)
+
+
+# ---- engines
+def model_config(args, layers=None):
+    c = dict(TINY if args.tiny else LLAMA_3_1_8B)
+    if layers:
+        c["num_hidden_layers"] = layers
+    return c
+
+
+def build_engine(args, fmt, layers=None, **overrides):
+    ckpt = dummy_checkpoint(fmt, model_config(args, layers), device=args.device)
+    cfg = dict(max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, device=args.device,
+               dtype="float32" if args.tiny else "bfloat16")
+    cfg.update(overrides)
+    with torch.device(args.device):
+        return Engine(ckpt.path, EngineConfig(**cfg), ckpt=ckpt, tokenizer=DummyTokenizer())
+
+
+def free(*objs):
+    del objs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def random_prompts(n, isl, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, isl), generator=g).tolist()
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---- measurements
+def offline(engine, prompts, osl) -> dict:
+    """All requests at once; returns output tokens/s over the whole run."""
+    params = SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
+    base = f"r{time.monotonic_ns()}-"
+    sync()
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(base + str(i), p, params)
+    out_tokens, steps = 0, 0
+    while engine.has_unfinished():
+        out_tokens += sum(len(o.delta_token_ids) for o in engine.step())
+        steps += 1
+    sync()
+    dt = time.perf_counter() - t0
+    return {"requests": len(prompts), "isl": len(prompts[0]), "osl": osl, "output_tokens": out_tokens,
+            "seconds": round(dt, 3), "steps": steps, "output_tok_s": round(out_tokens / dt, 1),
+            "total_tok_s": round((out_tokens + len(prompts) * len(prompts[0])) / dt, 1)}
+
+
+def latency(engine, prompt, osl) -> dict:
+    """One request alone: time to first token and inter-token latency."""
+    params = SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
+    sync()
+    t0 = time.perf_counter()
+    engine.add_request(f"lat{time.monotonic_ns()}", prompt, params)
+    stamps = []
+    while engine.has_unfinished():
+        if any(o.delta_token_ids for o in engine.step()):
+            stamps.append(time.perf_counter())
+    itl = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    return {"isl": len(prompt), "osl": osl, "ttft_ms": round(1e3 * (stamps[0] - t0), 2),
+            "itl_ms_median": round(1e3 * itl[len(itl) // 2], 3), "itl_ms_mean": round(1e3 * sum(itl) / len(itl), 3),
+            "decode_tok_s": round(len(itl) / sum(itl), 1)}
+
+
+def weight_bytes(engine) -> int:
+    """Bytes of every tensor the model holds for its weights (prepared layouts included), counted once."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+
+    for m in engine.runner.model.modules():
+        for t in list(m.parameters(recurse=False)) + [getattr(m, "weight", None), getattr(m, "bias", None)]:
+            add(t)
+        p = getattr(m, "prepared", None)
+        if p is not None:
+            w = p.weight
+            for t in [w, p.weight_scale, p.input_scale, p.smooth] + list((p.source or {}).values()) + \
+                    list(getattr(w, "__dict__", {}).values()):
+                add(t)
+    return total
+
+
+# ---- correctness: kernels (+ graphs) vs the torch reference path on the same engine and weights
+@contextmanager
+def reference_path(engine):
+    """Every op on its torch reference (NVFP4 as the weight-only reference, which is what Hopper serves)."""
+    from lowbit.kernels import linear_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref
+
+    weight_only = {}
+
+    def ref_linear(x, p, bias=None, out_dtype=None):
+        if p.algo == "NVFP4":
+            from dataclasses import replace
+            p = weight_only.setdefault(id(p), replace(p, algo="W4A16_NVFP4", input_scale=None))
+        return linear_ref(x, p, bias, out_dtype)
+
+    saved = {n: getattr(layers_mod, n) for n in ("quant_linear", "rms_norm", "rotary", "silu_and_mul")}
+    backend, graphs = attn_mod._backend, engine.runner.graphs
+    layers_mod.quant_linear, layers_mod.rms_norm = ref_linear, rms_norm_ref
+    layers_mod.rotary, layers_mod.silu_and_mul = rotary_ref, silu_and_mul_ref
+    attn_mod.set_attention_backend(attn_mod.TorchAttentionBackend())
+    engine.runner.graphs = None
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(layers_mod, n, f)
+        attn_mod.set_attention_backend(backend)
+        engine.runner.graphs = graphs
+
+
+def greedy_with_logits(engine, prompts, osl):
+    """-> (tokens per prompt, logits [rows, V] per step); the schedule is the same whatever tokens come out."""
+    steps = []
+    run = engine.runner.run
+
+    def recording(batch, rows):
+        out = run(batch, rows)
+        steps.append(out.float().clone())
+        return out
+
+    engine.runner.run = recording
+    try:
+        params = SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
+        ids = [f"chk{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for i, p in zip(ids, prompts):
+            engine.add_request(i, p, params)
+        tokens = {i: [] for i in ids}
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens[o.request_id] += o.delta_token_ids
+    finally:
+        engine.runner.run = run
+    return [tokens[i] for i in ids], steps
+
+
+def check_format(args, fmt) -> dict:
+    engine = build_engine(args, fmt, layers=args.check_layers, enable_prefix_caching=False, max_batch_size=8)
+    vocab = engine.runner.model.config["vocab_size"]
+    lens = [5, 37, 200, 700] if not args.tiny else [3, 20, 45]
+    prompts = [random_prompts(1, n, vocab, seed=n)[0] for n in lens]
+    osl = 12
+    tok_k, logits_k = greedy_with_logits(engine, prompts, osl)
+    with reference_path(engine):
+        tok_r, logits_r = greedy_with_logits(engine, prompts, osl)
+    first_diff = next((s for s in range(osl) if any(a[s] != b[s] for a, b in zip(tok_k, tok_r))), osl)
+    compared = logits_k[:first_diff + 1]  # steps whose inputs are still the same on both paths
+    rel = [((a - b).norm() / b.norm()).item() for a, b in zip(compared, logits_r)]
+    absd = [(a - b).abs().max().item() for a, b in zip(compared, logits_r)]
+    top1 = [(a.argmax(-1) == b.argmax(-1)).float().mean().item() for a, b in zip(compared, logits_r)]
+    same = sum(a == b for a, b in zip(tok_k, tok_r))
+    res = {"format": fmt, "layers": args.check_layers, "prompt_lens": lens, "osl": osl,
+           "logits_rel_err_max": max(rel), "logits_abs_err_max": max(absd), "logits_std": logits_r[0].std().item(),
+           "top1_agreement_min": min(top1), "sequences_same_tokens": f"{same}/{len(prompts)}",
+           "first_divergent_step": first_diff if first_diff < osl else None,
+           "graph_used": engine.runner.graphs is not None}
+    res["pass"] = res["logits_rel_err_max"] < 3e-2 and same == len(prompts)
+    free(engine)
+    return res
+
+
+# ---- HF transformers on the same weights
+def hf_generate(args) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = model_config(args)
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(args.device):
+            model = LlamaForCausalLM(LlamaConfig(**c)).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    lazy = dummy_checkpoint("bf16", c, device=args.device).tensors()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(lazy[name])
+    vocab = c["vocab_size"]
+    ids = torch.tensor(random_prompts(args.hf_batch, args.isl, vocab, seed=7), device=args.device)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+        sync()
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=args.osl, min_new_tokens=args.osl, **kw)
+        sync()
+    dt = time.perf_counter() - t0
+    n = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    free(model)
+    return {"batch": args.hf_batch, "isl": args.isl, "osl": args.osl, "seconds": round(dt, 3),
+            "output_tok_s": round(n / dt, 1), "transformers": __import__("transformers").__version__}
+
+
+# ---- per format
+def bench_format(args, fmt, results) -> dict:
+    t0 = time.perf_counter()
+    engine = build_engine(args, fmt)
+    res = {"format": fmt, "build_s": round(time.perf_counter() - t0, 1), "kv_blocks": engine.runner.num_blocks,
+           "kv_tokens": engine.runner.num_blocks * engine.config.block_size,
+           "weight_gib": round(weight_bytes(engine) / 2**30, 2),
+           "graph_sizes": engine.runner.graphs.sizes if engine.runner.graphs is not None else None}
+    vocab = engine.runner.model.config["vocab_size"]
+    offline(engine, random_prompts(min(32, args.num_requests), args.isl, vocab, 1), 4)  # warm-up: prefill shapes
+    res["batch1"] = latency(engine, random_prompts(1, args.isl, vocab, 2)[0], args.osl)
+    res["max_load"] = offline(engine, random_prompts(args.num_requests, args.isl, vocab, 3), args.osl)
+    if fmt == "bf16" and "output_tok_s" in results.get("hf", {}):
+        res["hf_workload"] = offline(engine, random_prompts(args.hf_batch, args.isl, vocab, 7), args.osl)
+        res["hf_workload"]["ratio_vs_hf"] = round(res["hf_workload"]["output_tok_s"]
+                                                  / results["hf"]["output_tok_s"], 1)
+        res["max_load"]["ratio_vs_hf"] = round(res["max_load"]["output_tok_s"] / results["hf"]["output_tok_s"], 1)
+    if fmt == "fp8" and "extra" in args.phases:
+        res["extra"] = []
+        for spec in filter(None, args.extra.split(",")):
+            if time.monotonic() > args.deadline:
+                res["extra"].append({"spec": spec, "skipped": "deadline"})
+                continue
+            isl, osl, n = map(int, spec.split("/"))
+            res["extra"].append(offline(engine, random_prompts(n, isl, vocab, 4), osl))
+    free(engine)
+    return res
+
+
+def phase(results, name, fn, args):
+    if time.monotonic() > args.deadline:
+        results[name] = {"skipped": "deadline"}
+        print(f"[{name}] skipped: deadline", flush=True)
+        return
+    t0 = time.perf_counter()
+    try:
+        results[name] = fn()
+    except Exception as e:  # reported in the JSON and printed; the other phases still run
+        results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        traceback.print_exc()
+        free()
+    print(f"[{name}] {time.perf_counter() - t0:.1f}s {json.dumps(results[name])}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+def markdown(r: dict) -> str:
+    lines = [f"\n### Serving run {r['date']} ({r['gpu']}, torch {r['torch']}, {r['model']})\n",
+             f"`{r['command']}`\n"]
+    checks = [v for k, v in r.items() if k.startswith("check_") and "format" in v]
+    if checks:
+        lines += ["| format | logits rel err (max) | abs err (max) | top-1 agree (min) | same greedy tokens | pass |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {c['format']} | {c['logits_rel_err_max']:.2e} | {c['logits_abs_err_max']:.3f} | "
+                  f"{c['top1_agreement_min']:.3f} | {c['sequences_same_tokens']} | {c['pass']} |" for c in checks]
+        lines.append("")
+    serves = [v for k, v in r.items() if k.startswith("serve_") and "format" in v]
+    if serves:
+        lines += ["| format | weights GiB | batch-1 decode tok/s | TTFT ms | ITL ms (median) | max-load out tok/s "
+                  "| requests x ISL/OSL | KV tokens |", "|---|---|---|---|---|---|---|---|"]
+        for s in serves:
+            b, m = s["batch1"], s["max_load"]
+            lines.append(f"| {s['format']} | {s['weight_gib']} | {b['decode_tok_s']} | {b['ttft_ms']} | "
+                         f"{b['itl_ms_median']} | {m['output_tok_s']} | {m['requests']} x {m['isl']}/{m['osl']} | "
+                         f"{s['kv_tokens']} |")
+            for e in s.get("extra", []):
+                if "output_tok_s" in e:
+                    lines.append(f"| {s['format']} | | | | | {e['output_tok_s']} | {e['requests']} x "
+                                 f"{e['isl']}/{e['osl']} | |")
+        lines.append("")
+    hf = r.get("hf", {})
+    bf = r.get("serve_bf16", {}).get("hf_workload")
+    if "output_tok_s" in hf and bf:
+        lines.append(f"HF transformers {hf['transformers']} `generate`, same dummy bf16 model, batch {hf['batch']}, "
+                     f"{hf['isl']}/{hf['osl']}: {hf['output_tok_s']} tok/s; lowbit bf16 on the same workload: "
+                     f"{bf['output_tok_s']} tok/s (**{bf['ratio_vs_hf']}x**).\n")
+    failed = [k for k, v in r.items() if isinstance(v, dict) and ("error" in v or "skipped" in v)]
+    if failed:
+        lines.append(f"Not measured: {', '.join(failed)} (see the JSON).\n")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    args.deadline = time.monotonic() + args.deadline_s
+    formats = [f for f in args.formats.split(",") if f]
+    unknown = set(formats) - set(FORMATS)
+    if unknown:
+        raise SystemExit(f"unknown formats {sorted(unknown)}; known: {sorted(FORMATS)}")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    results = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "gpu": gpu,
+               "torch": torch.__version__, "command": "lowbit bench serve " + " ".join(argv or sys.argv[1:]),
+               "model": "Llama-3.1-8B shapes, dummy weights" if not args.tiny else "tiny"}
+    if "check" in args.phases:
+        for fmt in formats:
+            phase(results, f"check_{fmt}", lambda: check_format(args, fmt), args)
+    if "hf" in args.phases:
+        phase(results, "hf", lambda: hf_generate(args), args)
+    if "formats" in args.phases:
+        for fmt in formats:
+            phase(results, f"serve_{fmt}", lambda: bench_format(args, fmt, results), args)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

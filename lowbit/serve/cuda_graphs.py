@@ -1,0 +1,69 @@
+"""Decode steps replayed from CUDA graphs, one per batch size in a fixed set (a batch runs in the next size up).
+
+Each graph reads static input buffers (input ids, positions, slots, context lengths, block tables) and writes the
+logits of every row; padded rows store nothing (slot -1) and attend to one key of block 0. Nothing inside a
+replay synchronises with the host. Needs an attention backend whose decode path reads device tensors only.
+"""
+import torch
+
+from lowbit.serve.context import StepContext
+
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    def __init__(self, model, max_batch_size: int, max_blocks_per_seq: int, device: torch.device,
+                 sizes=DEFAULT_SIZES):
+        self.model = model
+        self.sizes = sorted({s for s in sizes if s < max_batch_size} | {max_batch_size})
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _context(self, bs: int) -> StepContext:
+        return StepContext(positions=self.positions[:bs], slot_mapping=self.slot_mapping[:bs],
+                           query_start_loc=self.query_start_loc[:bs + 1], context_lens=self.context_lens[:bs],
+                           block_tables=self.block_tables[:bs], logits_indices=self.query_start_loc[:bs].long(),
+                           is_decode=True, query_lens_cpu=[1] * bs, context_lens_cpu=[1] * bs)
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:bs], self._context(bs))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Largest first, all graphs in one memory pool."""
+        for bs in reversed(self.sizes):
+            self._forward(bs)  # warm-up: compiles kernels outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.logits[bs] = self._forward(bs)
+            self.pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def can_run(self, ctx: StepContext) -> bool:
+        return ctx.is_decode and len(ctx.context_lens_cpu) <= self.sizes[-1] and \
+            ctx.block_tables.shape[1] <= self.block_tables.shape[1]
+
+    def run(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """A decode step of B sequences -> float32 logits [B, V] (a view of the graph's output)."""
+        b = input_ids.shape[0]
+        bs = next(s for s in self.sizes if s >= b)
+        self.input_ids[:b].copy_(input_ids)
+        self.positions[:b].copy_(ctx.positions)
+        self.slot_mapping[:b].copy_(ctx.slot_mapping)
+        self.slot_mapping[b:bs].fill_(-1)
+        self.context_lens[:b].copy_(ctx.context_lens)
+        self.context_lens[b:bs].fill_(1)
+        self.block_tables[:b, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
+        self.graphs[bs].replay()
+        return self.logits[bs][:b]
