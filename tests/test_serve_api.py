@@ -8,11 +8,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 
 import openai
 import pytest
 
-from lowbit.models import DEFAULT_MODEL
+from lowbit.models import DEFAULT_MODEL, resolve
 
 KEY = "test-key"
 
@@ -33,31 +34,39 @@ def http(method: str, url: str, body: dict | None = None, key: str | None = None
         return e.code, e.read().decode()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextmanager
+def serve(model: str, workdir, *args: str):
+    """`lowbit serve MODEL` on a free loopback port; yields its base URL."""
     port = free_port()
-    extra = tmp_path_factory.mktemp("serve") / "extra.yaml"
+    extra = workdir / "extra.yaml"
     extra.write_text("num_kv_blocks: 256\n")
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    log = open(extra.parent / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "lowbit.cli", "serve", DEFAULT_MODEL, "--port", str(port),
-                             "--api-key", KEY, "--max-batch-size", "8", "--config", str(extra)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        assert proc.poll() is None, (extra.parent / "server.log").read_text()
+    log_path = workdir / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "lowbit.cli", "serve", model, "--port", str(port),
+                                 "--config", str(extra), *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+        base = f"http://127.0.0.1:{port}"
         try:
-            if http("GET", f"{base}/health")[0] == 200:
-                break
-        except OSError:
-            pass
-        assert time.time() < deadline, "server did not come up"
-        time.sleep(0.5)
-    yield base
-    proc.terminate()
-    proc.wait(timeout=30)
-    log.close()
+            deadline = time.time() + 120
+            while True:
+                assert proc.poll() is None, log_path.read_text()
+                try:
+                    if http("GET", f"{base}/health")[0] == 200:
+                        break
+                except OSError:
+                    pass
+                assert time.time() < deadline, "server did not come up"
+                time.sleep(0.5)
+            yield base
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with serve(DEFAULT_MODEL, tmp_path_factory.mktemp("serve"), "--api-key", KEY, "--max-batch-size", "8") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +162,25 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert m['lowbit_requests_finished_total{reason="abort"}'] >= 1
 
 
+def test_disconnect_while_waiting_for_a_completion_frees_blocks(server):
+    body = {"model": DEFAULT_MODEL, "prompt": "Tell me a long story about a cat.", "max_tokens": 500, "ignore_eos": True}
+    host, port = server.removeprefix("http://").split(":")
+    conn = httpclient.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    deadline = time.time() + 20
+    while metrics(server)["lowbit_kv_blocks_used"] == 0:
+        assert time.time() < deadline
+        time.sleep(0.1)
+    aborted = metrics(server)['lowbit_requests_finished_total{reason="abort"}']
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    while (m := metrics(server))["lowbit_kv_blocks_used"] > 0 or m["lowbit_requests_running"] > 0:
+        assert time.time() < deadline + 20, m
+        time.sleep(0.2)
+    assert m['lowbit_requests_finished_total{reason="abort"}'] == aborted + 1
+
+
 def test_metrics_are_prometheus_text(server):
     m = metrics(server)
     for name in ["lowbit_time_to_first_token_seconds_count", "lowbit_inter_token_latency_seconds_count",
@@ -171,7 +199,6 @@ def test_lm_eval_local_completions_scores_like_in_process(server, monkeypatch):
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     from lowbit.checkpoint import load_reference_model
-    from lowbit.models import resolve
 
     torch.set_num_threads(1)
     pairs = [("The capital of France is", " Paris"), ("Once upon a time", " there was a king"),
@@ -189,3 +216,20 @@ def test_lm_eval_local_completions_scores_like_in_process(server, monkeypatch):
     served, in_process = remote.loglikelihood(instances()), local.loglikelihood(instances())
     for (ll, greedy), (ref_ll, ref_greedy) in zip(served, in_process):
         assert ll == pytest.approx(ref_ll, abs=1e-3) and greedy == ref_greedy
+
+
+@pytest.mark.skipif(not (resolve(DEFAULT_MODEL).parent / f"{DEFAULT_MODEL}-fp8").is_dir(),
+                    reason="run `lowbit quantize --recipe fp8 smollm2-135m` first")
+def test_openai_client_against_the_fp8_checkpoint(tmp_path):
+    name = f"{DEFAULT_MODEL}-fp8"
+    with serve(name, tmp_path) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        text = client.completions.create(model=name, prompt="The capital of France is", max_tokens=6,
+                                         temperature=0).choices[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=name, prompt="The capital of France is", max_tokens=6, temperature=0, stream=True))
+        assert text and streamed == text
+        chat = dict(model=name, messages=[{"role": "user", "content": "Hi!"}], max_tokens=6, temperature=0)
+        full = client.chat.completions.create(**chat).choices[0].message.content
+        parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)]
+        assert full and "".join(parts) == full

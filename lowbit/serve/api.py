@@ -58,8 +58,9 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def _merge(streams):
-    """(index, output) from several async generators as they come; cancelling this cancels (and aborts) all."""
+async def _merge(streams, request: Request | None = None):
+    """(index, output) from several async generators as they come; cancelling this cancels (and aborts) all,
+    and so does the client of `request` going away (checked each second while nothing arrives)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, stream):
@@ -75,7 +76,12 @@ async def _merge(streams):
     try:
         remaining = len(tasks)
         while remaining:
-            i, out, error = await queue.get()
+            try:
+                i, out, error = await asyncio.wait_for(queue.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    return
+                continue
             if error is not None:
                 raise error
             if out is None:
@@ -133,10 +139,13 @@ class OpenAIServer:
         return rid, streams
 
     @staticmethod
-    async def _finals(streams) -> list[RequestOutput]:
+    async def _finals(streams, request: Request) -> list[RequestOutput]:
+        """The last output of each stream; a client that disconnects meanwhile aborts them all (499)."""
         finals = [None] * len(streams)
-        async for i, out in _merge(streams):
+        async for i, out in _merge(streams, request):
             finals[i] = out
+        if any(f is None or not f.finished for f in finals):
+            raise APIError(499, "client closed the request", code="client_closed_request")
         return finals
 
     def _stream(self, events) -> StreamingResponse:
@@ -156,7 +165,7 @@ class OpenAIServer:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     # ---- /v1/completions
-    async def completions(self, req: CompletionRequest):
+    async def completions(self, req: CompletionRequest, request: Request):
         self._check_model(req.model)
         params = req.params()
         rid, streams = self._submit("cmpl", req.prompts(), params)
@@ -164,7 +173,7 @@ class OpenAIServer:
         if req.stream:
             return self._stream(self._completion_events(req, head, streams))
         try:
-            finals = await self._finals(streams)
+            finals = await self._finals(streams, request)
         except EngineDeadError as e:
             raise APIError(500, str(e), "server_error") from e
         choices = [self._completion_choice(i, o, req) for i, o in enumerate(finals)]
@@ -212,7 +221,7 @@ class OpenAIServer:
             yield head | {"choices": [], "usage": self._usage(finals)}
 
     # ---- /v1/chat/completions
-    async def chat(self, req: ChatRequest):
+    async def chat(self, req: ChatRequest, request: Request):
         self._check_model(req.model)
         params = req.params()
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -226,7 +235,7 @@ class OpenAIServer:
         if req.stream:
             return self._stream(self._chat_events(req, head | {"object": "chat.completion.chunk"}, streams[0]))
         try:
-            (out,) = await self._finals(streams)
+            (out,) = await self._finals(streams, request)
         except EngineDeadError as e:
             raise APIError(500, str(e), "server_error") from e
         c = out.outputs[0]
