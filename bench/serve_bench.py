@@ -53,7 +53,7 @@ def parse(argv):
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--hf-batch", type=int, default=64)
-    p.add_argument("--phases", default="check,hf,formats,extra")
+    p.add_argument("--phases", default="check,attn,hf,formats,extra")
     p.add_argument("--check-layers", type=int, default=2)
     p.add_argument("--extra", default="1000/1000/256,2048/128/512", help="ISL/OSL/N for FP8 maximum load")
     p.add_argument("--tiny", action="store_true", help="a tiny fp32 config (CPU smoke test)")
@@ -81,8 +81,8 @@ def build_engine(args, fmt, layers=None, **overrides):
         return Engine(ckpt.path, EngineConfig(**cfg), ckpt=ckpt, tokenizer=DummyTokenizer())
 
 
-def free(*objs):
-    del objs
+def free():
+    """Returns cached blocks to the driver, so the next engine's KV pool sees them free (drop references first)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -212,7 +212,8 @@ def greedy_with_logits(engine, prompts, osl):
 
 
 def check_format(args, fmt) -> dict:
-    engine = build_engine(args, fmt, layers=args.check_layers, enable_prefix_caching=False, max_batch_size=8)
+    engine = build_engine(args, fmt, layers=args.check_layers, enable_prefix_caching=False, max_batch_size=8,
+                          kv_cache_max_tokens=65536)
     vocab = engine.runner.model.config["vocab_size"]
     lens = [5, 37, 200, 700] if not args.tiny else [3, 20, 45]
     prompts = [random_prompts(1, n, vocab, seed=n)[0] for n in lens]
@@ -232,8 +233,35 @@ def check_format(args, fmt) -> dict:
            "first_divergent_step": first_diff if first_diff < osl else None,
            "graph_used": engine.runner.graphs is not None}
     res["pass"] = res["logits_rel_err_max"] < 3e-2 and same == len(prompts)
-    free(engine)
+    del engine
+    free()
     return res
+
+
+# ---- decode attention alone
+def attention_decode_speed(args) -> list[dict]:
+    """paged_decode at Llama-8B heads: time and GB/s of the KV bytes it must read (K and V of every token)."""
+    import triton
+
+    from lowbit.kernels import paged_attention as pa
+
+    rows = []
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for batch, ctx in ((1, 4096), (1, 32768), (64, 1024), (64, 4096), (256, 1024)):
+            bs, hk, d = 16, 8, 128
+            nblk = batch * ctx // bs
+            cache = torch.randn(2, nblk, bs, hk, d, device="cuda").to(kv_dtype)
+            tables = torch.randperm(nblk, device="cuda", dtype=torch.int32).view(batch, -1)
+            lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+            q = torch.randn(batch, 32, d, device="cuda", dtype=torch.bfloat16)
+            one = torch.tensor(1.0, device="cuda")
+            ms = triton.testing.do_bench(lambda: pa.paged_decode(q, cache, tables, lens, d ** -0.5, one, one),
+                                         warmup=25, rep=100, return_mode="median")
+            nbytes = cache.numel() * cache.element_size()
+            rows.append({"kv": str(kv_dtype).split(".")[-1], "batch": batch, "ctx": ctx, "us": round(ms * 1e3, 1),
+                         "GB_s": round(nbytes / ms / 1e6), "splits": pa.decode_splits(batch, hk)})
+            del cache
+    return rows
 
 
 # ---- HF transformers on the same weights
@@ -264,7 +292,8 @@ def hf_generate(args) -> dict:
         sync()
     dt = time.perf_counter() - t0
     n = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    free(model)
+    del model, lazy
+    free()
     return {"batch": args.hf_batch, "isl": args.isl, "osl": args.osl, "seconds": round(dt, 3),
             "output_tok_s": round(n / dt, 1), "transformers": __import__("transformers").__version__}
 
@@ -294,7 +323,8 @@ def bench_format(args, fmt, results) -> dict:
                 continue
             isl, osl, n = map(int, spec.split("/"))
             res["extra"].append(offline(engine, random_prompts(n, isl, vocab, 4), osl))
-    free(engine)
+    del engine
+    free()
     return res
 
 
@@ -339,6 +369,12 @@ def markdown(r: dict) -> str:
                     lines.append(f"| {s['format']} | | | | | {e['output_tok_s']} | {e['requests']} x "
                                  f"{e['isl']}/{e['osl']} | |")
         lines.append("")
+    attn = r.get("attention_decode")
+    if isinstance(attn, list):
+        lines += ["| paged decode attention | batch | context | us | KV GB/s | splits |", "|---|---|---|---|---|---|"]
+        lines += [f"| {a['kv']} KV | {a['batch']} | {a['ctx']} | {a['us']} | {a['GB_s']} | {a['splits']} |"
+                  for a in attn]
+        lines.append("")
     hf = r.get("hf", {})
     bf = r.get("serve_bf16", {}).get("hf_workload")
     if "output_tok_s" in hf and bf:
@@ -365,6 +401,8 @@ def main(argv=None) -> int:
     if "check" in args.phases:
         for fmt in formats:
             phase(results, f"check_{fmt}", lambda: check_format(args, fmt), args)
+    if "attn" in args.phases:
+        phase(results, "attention_decode", lambda: attention_decode_speed(args), args)
     if "hf" in args.phases:
         phase(results, "hf", lambda: hf_generate(args), args)
     if "formats" in args.phases:
