@@ -136,6 +136,9 @@ def test_errors_have_openai_shape(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "x"}], top_p=2)
     assert set(e.value.body) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=DEFAULT_MODEL, prompt="a", logit_bias={"5": 10})
+    assert e.value.body["param"] == "logit_bias"
     status, body = http("POST", f"{server}/v1/completions", {"model": DEFAULT_MODEL, "prompt": "a", "max_tokens": "x"},
                         KEY)
     assert status == 400 and json.loads(body)["error"]["param"] == "max_tokens"

@@ -38,13 +38,19 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    response_format: dict | None = None
+    tools: list | None = None
 
     def check_unsupported(self) -> None:
+        """Refuse, rather than ignore, what the engine does not do."""
         if self.n != 1:
             raise APIError(400, "only n=1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
+        for name in ("presence_penalty", "frequency_penalty", "logit_bias", "tools"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported", param=name)
+        if self.response_format and self.response_format.get("type") != "text":
+            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
 
     def sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
                  ) -> SamplingParams:
@@ -63,6 +69,8 @@ class CompletionRequest(_Common):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -73,6 +81,10 @@ class CompletionRequest(_Common):
         return list(p)
 
     def params(self) -> SamplingParams:
+        if self.best_of not in (None, 1):
+            raise APIError(400, "only best_of=1 is supported", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
         wants_prompt = self.echo and self.logprobs is not None
         return self.sampling(self.max_tokens, self.logprobs, self.logprobs if wants_prompt else None)
 
