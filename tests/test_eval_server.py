@@ -63,3 +63,23 @@ def test_loglikelihoods_agree(both):
 def test_task_scores_agree(both):
     local, served = (run_task(lm, "arc_easy", limit=5) for lm in both)
     assert served["per_doc"] == local["per_doc"]
+
+
+def test_gate_through_server_against_itself(server_url, tmp_path, monkeypatch, capsys):
+    """The embedded model served, gated against itself in process: ratio 1, recovery 1, exit 0."""
+    import json
+
+    from lowbit import cli
+    from lowbit.evaluate import cache
+
+    monkeypatch.setattr(cache, "cache_dir", lambda: tmp_path / "eval-cache")
+    monkeypatch.setattr(sys, "argv", ["lowbit", "eval"])  # lowbit.cli picks the subcommand module from sys.argv
+    report = tmp_path / "r.json"
+    argv = ["eval", "smollm2-135m", "--baseline", "smollm2-135m", "--backend", "server", "--url", server_url,
+            "--tasks", "arc_easy,ppl", "--limit", "4", "--ppl-seqs", "1", "--gate", "recovery>=0.999,ppl_ratio<=1.001",
+            "--report", str(report)]
+    assert cli.main(argv) == 0, capsys.readouterr().out
+    result = json.loads(report.read_text())
+    assert result["tasks"]["arc_easy"]["recovery"][0] == 1.0
+    assert abs(result["summary"]["ppl_ratio"][0] - 1) < 1e-4 and result["text"]["kl"] is None
+    assert cli.main(argv[:-4] + ["--gate", "kl<=0.01"]) == 2  # KL needs full distributions

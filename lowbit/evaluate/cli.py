@@ -45,11 +45,11 @@ def run(args) -> int:
     from lowbit.evaluate.runner import Plan, evaluate
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices would bury the progress bars
-    plan = Plan(tasks=parse_tasks(args.tasks, args.backend), limit=check_positive("--limit", args.limit),
+    plan = Plan(tasks=parse_tasks(args.tasks), limit=check_positive("--limit", args.limit),
                 text_seqs=check_positive("--ppl-seqs", args.ppl_seqs) or Plan.text_seqs, use_cache=not args.no_cache)
     gates.check_confidence(args.confidence)
     candidate, baseline, thresholds = resolve_sides(args)
-    check_gate_needs(thresholds, baseline, plan)
+    check_gate_needs(thresholds, baseline, plan, args.backend)
     result = evaluate(candidate, baseline, plan)
     result["candidate"] = {"name": args.model, "path": str(candidate.path), "backend": args.backend}
     result["baseline"] = {"name": baseline.name, "path": str(baseline.path)} if baseline else None
@@ -64,16 +64,14 @@ def run(args) -> int:
     return 0 if passed else 1
 
 
-def parse_tasks(values, backend: str) -> list[str]:
+def parse_tasks(values) -> list[str]:
     from lowbit.evaluate.tasks import check_task_names
 
     if not values:
-        return [t for t in DEFAULT_TASKS if not (backend == "server" and t == "ppl")]
+        return list(DEFAULT_TASKS)
     tasks = [t.strip() for v in values for t in v.split(",") if t.strip()]
     if not tasks:
         raise UserError("--tasks: no task names given")
-    if backend == "server" and "ppl" in tasks:
-        raise UserError("--tasks ppl needs --backend inproc (KL needs full next-token distributions)")
     check_task_names(tasks)
     return list(dict.fromkeys(tasks))
 
@@ -111,12 +109,14 @@ def resolve_sides(args):
     return candidate, baseline, thresholds
 
 
-def check_gate_needs(thresholds, baseline, plan) -> None:
+def check_gate_needs(thresholds, baseline, plan, backend: str) -> None:
     from lowbit.evaluate.gate import TEXT_METRICS
 
     if thresholds and baseline is None:
         raise UserError("a gate compares with a baseline: pass --baseline MODEL (or --no-gate to only score)")
     for t in thresholds:
+        if backend == "server" and t.metric in ("kl", "top1"):
+            raise UserError(f"gate {t} needs full next-token distributions: use --backend inproc")
         if t.metric in TEXT_METRICS and "ppl" not in plan.tasks:
             raise UserError(f"gate {t} is measured by the ppl task: add ppl to --tasks")
         task = t.metric.rsplit(".", 1)[0] if "." in t.metric else None

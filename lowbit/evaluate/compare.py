@@ -57,8 +57,10 @@ def text_comparison(base_nll, cand: dict, tokens_per_seq: int) -> dict:
     d = (np.asarray(cand["nll"]) - np.asarray(base_nll, dtype=np.float64)) / tokens_per_seq  # [S] log ppl ratio
     log_ratio, log_se = mean_se(d)
     dof = len(d) - 1
-    return {"ppl_ratio": (math.exp(log_ratio), log_se, dof), "kl": (*mean_se(cand["kl"]), dof),
-            "top1": (*mean_se(cand["top1"]), dof)}
+    out = {"ppl_ratio": (math.exp(log_ratio), log_se, dof)}
+    for k in ("kl", "top1"):  # None when the candidate was scored through a server
+        out[k] = (*mean_se(cand[k]), dof) if cand[k] is not None else None
+    return out
 
 
 def perplexity(nll_sums, tokens_per_seq: int) -> float:

@@ -108,10 +108,9 @@ def server_lm(url: str, model_name: str, tokenizer_path: str, concurrency: int =
     """lm-eval's `local-completions`: token-id prompts, echo, logprobs, against URL/v1/completions."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    base = url.rstrip("/")
-    if not base.endswith("/v1/completions"):
-        base += "/v1/completions"
-    return LocalCompletionsAPI(base_url=base, model=model_name, tokenizer=tokenizer_path,
+    from lowbit.evaluate.perplexity import completions_url
+
+    return LocalCompletionsAPI(base_url=completions_url(url), model=model_name, tokenizer=tokenizer_path,
                                tokenizer_backend="huggingface", tokenized_requests=True,
                                num_concurrent=concurrency, max_retries=2)
 

@@ -99,3 +99,40 @@ def compare_pass(model, tokenizer, baseline: TextPass) -> dict:
 def tail_mass(baseline: TextPass) -> float:
     """Mean baseline probability outside its top-K: how much of the distribution the binned KL sees as one bin."""
     return float((1 - baseline.top_logprobs.exp().sum(-1)).clamp_min(0).mean())
+
+
+def served_compare_pass(url: str, model_name: str, baseline: TextPass) -> dict:
+    """compare_pass through an OpenAI-compatible server: nll sums from echoed prompt logprobs.
+
+    A server returns log-probabilities of the prompt tokens but not full distributions: KL and top-1 agreement
+    are not measured this way (None).
+    """
+    out = {"source": list(baseline.source), "nll": [], "kl": None, "top1": None}
+    for row in tqdm(baseline.ids, desc="Perplexity (server)"):
+        ids = row.tolist()
+        logprobs = _echo_logprobs(url, model_name, ids)
+        if len(logprobs) < len(ids) or any(lp is None for lp in logprobs[1:len(ids)]):
+            raise UserError(f"{url} did not return a log-probability for every prompt token (needs echo + logprobs)")
+        out["nll"].append(-sum(logprobs[1:len(ids)]))
+    return out
+
+
+def _echo_logprobs(url: str, model_name: str, ids: list[int]) -> list:
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = {"model": model_name, "prompt": [ids], "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1}
+    request = urllib.request.Request(completions_url(url), data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            reply = json.loads(response.read())
+    except urllib.error.URLError as e:
+        raise UserError(f"server {url}: {e}") from e
+    return reply["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def completions_url(url: str) -> str:
+    base = url.rstrip("/")
+    return base if base.endswith("/v1/completions") else base + "/v1/completions"

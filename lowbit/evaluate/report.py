@@ -32,10 +32,12 @@ def text_lines(text: dict | None) -> list[str]:
     for source, ppl in text["ppl"].items():
         base = f"{ppl['baseline']:.3f}" if "baseline" in ppl else "-"
         lines.append(f"| {source} | {base} | {ppl['candidate']:.3f} |")
-    if "kl" in text:
+    if "ppl_ratio" in text:
         ratio, log_se = text["ppl_ratio"][:2]
-        lines += ["", f"ppl ratio {ratio:.4f} (se of log {log_se:.4f}) · KL(baseline‖candidate) {_pm(text['kl'], 5)} nats/token"
-                  f" · top-1 agreement {_pm(text['top1'], 4)} · {text['tokens']} tokens"
+        kl = "n/a (server)" if text["kl"] is None else f"{_pm(text['kl'], 5)} nats/token"
+        top1 = "n/a (server)" if text["top1"] is None else _pm(text["top1"], 4)
+        lines += ["", f"ppl ratio {ratio:.4f} (se of log {log_se:.4f}) · KL(baseline‖candidate) {kl}"
+                  f" · top-1 agreement {top1} · {text['tokens']} tokens"
                   f" (baseline mass outside its top-{text['top_k']}: {text['tail_mass']:.3f})"]
     return lines
 

@@ -3,6 +3,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lowbit.errors import UserError
 from lowbit.evaluate import cache, compare, perplexity
 from lowbit.evaluate.harness import inproc_lm, run_task, server_lm
 
@@ -78,7 +79,11 @@ def candidate_results(side: Side, plan: Plan, baseline_text) -> dict:
     lm = side.lm() if plan.lm_tasks else None
     for name in plan.lm_tasks:
         out["tasks"][name] = run_task(lm, name, plan.limit)
-    if TEXT_TASK in plan.tasks:
+    if TEXT_TASK in plan.tasks and side.url:
+        if baseline_text is None:
+            raise UserError("ppl through a server compares with a baseline: pass --baseline")
+        out["text"] = perplexity.served_compare_pass(side.url, side.name, baseline_text)
+    elif TEXT_TASK in plan.tasks:
         model, tokenizer = side.model()
         if baseline_text is None:
             out["text"] = perplexity.text_pass(model, tokenizer, plan.text_seqs, desc="candidate")
@@ -144,5 +149,6 @@ def _summary(result: dict) -> dict:
         summary["recovery"] = compare.aggregate_recovery(list(recoveries.values()))
     if result["text"]:
         for k in ("ppl_ratio", "kl", "top1"):
-            summary[k] = result["text"][k]
+            if result["text"].get(k) is not None:
+                summary[k] = result["text"][k]
     return summary
