@@ -112,6 +112,22 @@ def test_token_prompts_with_echo_and_logprobs(client):
     assert out.choices[0].text.startswith("The capital of France is")
 
 
+def test_several_prompts_stream_interleaved_and_chat_logprobs(client):
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    kw = dict(model=DEFAULT_MODEL, prompt=prompts, max_tokens=5, temperature=0)
+    full = sorted(client.completions.create(**kw).choices, key=lambda c: c.index)
+    texts = ["", ""]
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in full]
+    out = client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].logprob == content[0].top_logprobs[0].logprob  # greedy takes the most likely token
+
+
 def test_chat_and_its_stream_agree(client):
     kw = dict(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=10, temperature=0)
     full = client.chat.completions.create(**kw)
