@@ -102,6 +102,19 @@ def test_chunked_prefill_respects_token_budget_and_batch_size():
     assert b.is_decode and b.num_new_tokens == [1, 1]
 
 
+def test_decodes_go_before_prefill_chunks():
+    sched = Scheduler(BlockManager(64, BS), max_batch_size=4, max_num_tokens=10)
+    young = seq(4, start=500)
+    old = seq(100)
+    sched.add(young)
+    run_step(sched)  # young: prompt computed, first token sampled
+    sched.running.insert(0, old)  # an older sequence still in its prefill
+    sched.block_manager.allocate(old, [], 0)
+    old.status = SequenceStatus.RUNNING
+    b = sched.schedule()
+    assert list(zip(b.seqs, b.num_new_tokens)) == [(young, 1), (old, 9)]
+
+
 def test_decode_batch_is_decode():
     sched = Scheduler(BlockManager(64, BS), max_batch_size=4, max_num_tokens=64)
     for i in range(3):

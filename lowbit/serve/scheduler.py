@@ -1,6 +1,6 @@
 """FCFS continuous batching with a token budget, chunked prefill and preemption by recompute. Torch-free.
 
-Each step: running sequences first (oldest first; each computes its next chunk or its one decode token), then
+Each step: running sequences first (decodes, then prefill chunks, each oldest first), then
 waiting ones while the batch and the budget allow. When blocks run out, the youngest running sequence is
 preempted: its blocks are freed and it goes back to the front of the queue to be recomputed later.
 """
@@ -65,14 +65,21 @@ class Scheduler:
         return Batch(seqs, counts) if seqs else None
 
     def _schedule_running(self, seqs: list, counts: list, budget: int) -> bool:
-        """Appends the running sequences that fit; returns whether any was preempted."""
+        """Appends the running sequences that fit, decodes before prefill chunks (so a long prompt never stalls
+        the others' next token), each group oldest first; returns whether any sequence was preempted."""
         preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        for seq in sorted(self.running, key=lambda s: s.in_prefill):
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_append(seq, n):
                 victim = self.running[-1]
+                if victim in seqs:  # scheduled earlier in this step: take its tokens back
+                    i = seqs.index(victim)
+                    budget += counts.pop(i)
+                    seqs.pop(i)
                 self.preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -81,7 +88,6 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
-            i += 1
         return preempted
 
     def preempt(self, seq: Sequence) -> None:
