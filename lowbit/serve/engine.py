@@ -71,8 +71,8 @@ class Engine:
         if any(not 0 <= i < vocab for i in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ContextLengthError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
-                             "tokens, including at least one to generate")
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens; this model's context is "
+                                     f"{self.max_model_len} tokens, including at least one to generate")
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else self._seed.getrandbits(63)
