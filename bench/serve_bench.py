@@ -34,6 +34,10 @@ TINY = dict(LLAMA_3_1_8B, hidden_size=256, intermediate_size=512, num_hidden_lay
             num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=2048, dtype="float32")
 
 
+GPU_TOL = 3e-2  # logits rel. error, kernels (bf16 activations) vs the reference path (fp32 math)
+TIE_TOL = 0.1  # logit units: a greedy flip counts as a tie when the reference ranks the pick this close to its best
+
+
 class DummyTokenizer:
     """Token ids in, nothing out: detokenization is not part of these measurements."""
     eos_token_id = None
@@ -226,13 +230,18 @@ def check_format(args, fmt) -> dict:
     rel = [((a - b).norm() / b.norm()).item() for a, b in zip(compared, logits_r)]
     absd = [(a - b).abs().max().item() for a, b in zip(compared, logits_r)]
     top1 = [(a.argmax(-1) == b.argmax(-1)).float().mean().item() for a, b in zip(compared, logits_r)]
+    # how far below the reference's best logit the kernel path's greedy choice lies (0 when they agree)
+    gap = [(b.max(-1).values - b.gather(1, a.argmax(-1, keepdim=True))[:, 0]).max().item()
+           for a, b in zip(compared, logits_r)]
     same = sum(a == b for a, b in zip(tok_k, tok_r))
     res = {"format": fmt, "layers": args.check_layers, "prompt_lens": lens, "osl": osl,
            "logits_rel_err_max": max(rel), "logits_abs_err_max": max(absd), "logits_std": logits_r[0].std().item(),
-           "top1_agreement_min": min(top1), "sequences_same_tokens": f"{same}/{len(prompts)}",
+           "top1_agreement_min": min(top1), "argmax_gap_max": max(gap), "sequences_same_tokens": f"{same}/{len(prompts)}",
+           "rel_err_per_step": [round(r, 5) for r in rel],
            "first_divergent_step": first_diff if first_diff < osl else None,
            "graph_used": engine.runner.graphs is not None}
-    res["pass"] = res["logits_rel_err_max"] < 3e-2 and same == len(prompts)
+    # same tokens, or a flip only between near-tied logits (random weights give a 128k-way near tie often)
+    res["pass"] = res["logits_rel_err_max"] < GPU_TOL and (same == len(prompts) or max(gap) <= TIE_TOL)
     del engine
     free()
     return res
@@ -350,10 +359,11 @@ def markdown(r: dict) -> str:
              f"`{r['command']}`\n"]
     checks = [v for k, v in r.items() if k.startswith("check_") and "format" in v]
     if checks:
-        lines += ["| format | logits rel err (max) | abs err (max) | top-1 agree (min) | same greedy tokens | pass |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["| format | logits rel err (max) | abs err (max) | top-1 agree (min) | argmax gap (max) "
+                  "| same greedy tokens | pass |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {c['format']} | {c['logits_rel_err_max']:.2e} | {c['logits_abs_err_max']:.3f} | "
-                  f"{c['top1_agreement_min']:.3f} | {c['sequences_same_tokens']} | {c['pass']} |" for c in checks]
+                  f"{c['top1_agreement_min']:.3f} | {c.get('argmax_gap_max', float('nan')):.3f} | "
+                  f"{c['sequences_same_tokens']} | {c['pass']} |" for c in checks]
         lines.append("")
     serves = [v for k, v in r.items() if k.startswith("serve_") and "format" in v]
     if serves:
