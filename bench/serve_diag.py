@@ -2,6 +2,7 @@
 
   ops     every op of a 2-layer dummy engine (eager, no graphs) run twice per call, kernel and torch reference
           on the same input: max rel. error per op and shape
+  prefill one prefill step of 4 x 2048 tokens: whole model and paged_prefill alone
   replay  per format, the CUDA graph of one decode step replayed alone (GPU time) beside the engine's step time
           at batch 1 (the difference is host work per step)
 `python bench/serve_diag.py [--formats fp8,...] [--json PATH]`
@@ -131,6 +132,47 @@ def replay_times(bench, args, fmt) -> dict:
     return res
 
 
+def prefill_times(bench, args, fmt, batch=4, length=2048) -> dict:
+    """One prefill step of batch x length new tokens: the whole model, and paged_prefill alone (x layers)."""
+    import triton
+
+    from lowbit.kernels import paged_attention as pa
+    from lowbit.serve.context import StepContext
+
+    engine = bench.build_engine(args, fmt, max_num_tokens=batch * length)
+    r = engine.runner
+    bs, n = engine.config.block_size, batch * length
+    per_seq = length // bs
+    dev = r.device
+    ctx = StepContext(positions=torch.arange(length, device=dev).repeat(batch), slot_mapping=torch.arange(n, device=dev),
+                      query_start_loc=torch.arange(0, n + 1, length, dtype=torch.int32, device=dev),
+                      context_lens=torch.full((batch,), length, dtype=torch.int32, device=dev),
+                      block_tables=torch.arange(batch * per_seq, dtype=torch.int32, device=dev).view(batch, per_seq),
+                      logits_indices=torch.arange(length - 1, n, length, device=dev), is_decode=False,
+                      query_lens_cpu=[length] * batch, context_lens_cpu=[length] * batch)
+    ids = torch.randint(0, 1000, (n,), device=dev)
+
+    def step():
+        with torch.inference_mode():
+            r.model.compute_logits(r.model(ids, ctx)[ctx.logits_indices])
+
+    res = {"format": fmt, "tokens": n, "model_ms": round(triton.testing.do_bench(step, warmup=2, rep=20,
+                                                                                 return_mode="median"), 2)}
+    a = r.attn_layers[0]
+    q = torch.randn(n, a.num_heads, a.head_dim, device=dev, dtype=torch.bfloat16)
+    one = torch.tensor(1.0, device=dev)
+    ms = triton.testing.do_bench(lambda: pa.paged_prefill(q, a.kv_cache, ctx.query_start_loc, ctx.context_lens,
+                                                          ctx.block_tables, length, a.scale, one, one),
+                                 warmup=5, rep=50, return_mode="median")
+    flops = 4 * batch * length * length / 2 * a.num_heads * a.head_dim
+    res.update(attn_ms_per_layer=round(ms, 3), attn_ms_all_layers=round(ms * len(r.attn_layers), 2),
+               attn_TFLOP_s=round(flops / ms / 1e9, 1),
+               model_TFLOP_s=round(2 * n * 6.98e9 / res["model_ms"] / 1e9, 1))  # 6.98e9 params in the 32 layers
+    del engine, r, a
+    bench.free()
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--formats", default="fp8,bf16,int4_awq,nvfp4")
@@ -150,6 +192,9 @@ def main(argv=None) -> int:
             out[f"check_{fmt}"] = bench.check_format(args, fmt)
             print(json.dumps(out[f"check_{fmt}"]), flush=True)
     for fmt in a.formats.split(","):
+        if "prefill" in a.phases:
+            out[f"prefill_{fmt}"] = prefill_times(bench, args, fmt)
+            print(json.dumps(out[f"prefill_{fmt}"]), flush=True)
         if "replay" in a.phases:
             out[f"replay_{fmt}"] = replay_times(bench, args, fmt)
             print(json.dumps(out[f"replay_{fmt}"]), flush=True)
