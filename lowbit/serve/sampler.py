@@ -28,7 +28,8 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         probs = sorted_x.softmax(-1)
         drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
         x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
-    return int(torch.multinomial(x.softmax(-1), 1, generator=generator))
+    probs = x.softmax(-1).to(generator.device)  # the per-request generator lives on the CPU; logits may be on a GPU
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 class Sampler:
