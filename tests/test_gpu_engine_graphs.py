@@ -1,0 +1,99 @@
+"""The GPU-only pieces, checked on the CPU: decode through DecodeGraphs' static, padded buffers (the replay emulated
+by running the forward on those buffers) and the KV pool arithmetic (free memory faked)."""
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede triton's first import; see lowbit/kernels/_triton.py
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from lowbit.serve import kv_pool  # noqa: E402
+from lowbit.serve.cuda_graphs import DecodeGraphs  # noqa: E402
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "serve_bench.py"
+
+
+class EmulatedGraph:
+    """replay() = the captured forward, run eagerly on the same static buffers."""
+
+    def __init__(self, graphs: DecodeGraphs, bs: int):
+        self.graphs, self.bs = graphs, bs
+
+    def replay(self):
+        self.graphs.logits[self.bs].copy_(self.graphs._forward(self.bs))
+
+
+def emulated(model, max_batch_size, max_blocks, vocab):
+    g = DecodeGraphs(model, max_batch_size, max_blocks, torch.device("cpu"), sizes=(1, 2, 4))
+    for bs in g.sizes:
+        g.logits[bs] = torch.empty(bs, vocab)
+        g.graphs[bs] = EmulatedGraph(g, bs)
+    return g
+
+
+def test_graph_sizes_and_padding():
+    seen = []
+
+    class Fake(torch.nn.Module):
+        def forward(self, ids, ctx):
+            seen.append((ids.clone(), ctx.slot_mapping.clone(), ctx.context_lens.clone(), ctx.block_tables.clone()))
+            return torch.zeros(ids.shape[0], 2)
+
+        def compute_logits(self, h):
+            return h[:, :1].expand(-1, 5).float() + torch.arange(h.shape[0])[:, None]
+
+    g = emulated(Fake(), 6, 3, 5)
+    assert g.sizes == [1, 2, 4, 6]
+    from lowbit.serve.context import StepContext
+    ctx = StepContext(positions=torch.tensor([4, 9, 1]), slot_mapping=torch.tensor([20, 41, 7]),
+                      query_start_loc=torch.arange(4, dtype=torch.int32),
+                      context_lens=torch.tensor([5, 10, 2], dtype=torch.int32),
+                      block_tables=torch.tensor([[1], [2], [0]], dtype=torch.int32), logits_indices=torch.arange(3),
+                      is_decode=True, query_lens_cpu=[1] * 3, context_lens_cpu=[5, 10, 2])
+    logits = g.run(torch.tensor([11, 12, 13]), ctx)
+    ids, slots, lens, tables = seen[-1]
+    assert ids[:3].tolist() == [11, 12, 13] and len(ids) == 4  # batch 3 runs in the graph of 4
+    assert slots.tolist() == [20, 41, 7, -1] and lens.tolist() == [5, 10, 2, 1]
+    assert tables[:3, 0].tolist() == [1, 2, 0]
+    assert logits.shape == (3, 5) and logits[:, 0].tolist() == [0, 1, 2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test")
+def test_engine_decode_through_padded_graph_buffers_matches_eager():
+    pytest.importorskip("triton")
+    from lowbit.kernels._triton import interpreting
+    from lowbit.serve import attention
+    from lowbit.serve.triton_attention import TritonAttentionBackend
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 before triton's import")
+    spec = importlib.util.spec_from_file_location("serve_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.parse(["--tiny", "--device", "cpu"])
+    engine = bench.build_engine(args, "bf16", enable_prefix_caching=False, max_batch_size=4, num_kv_blocks=64)
+    prompts = [bench.random_prompts(1, n, 512, seed=n)[0] for n in (3, 21, 40)]  # 3 sequences: padded to 4
+    saved = attention._backend
+    try:
+        attention.set_attention_backend(TritonAttentionBackend())
+        engine.runner.graphs = emulated(engine.runner.model, 4, 8, 512)
+        tok_g, logits_g = bench.greedy_with_logits(engine, prompts, 5)
+        engine.runner.graphs = None
+        tok_e, logits_e = bench.greedy_with_logits(engine, prompts, 5)
+    finally:
+        attention.set_attention_backend(saved)
+    assert tok_g == tok_e
+    for a, b in zip(logits_g, logits_e):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_kv_pool_fraction_and_cap(monkeypatch):
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    block = 2 * 2**20
+    assert kv_pool.gpu_blocks_that_fit(block, 16, gib, "cuda") == int(9 * gib * 0.9 // block)
+    assert kv_pool.gpu_blocks_that_fit(block, 16, gib, "cuda", 0.5, max_tokens=1000) == 63  # ceil(1000 / 16)
+    with pytest.raises(RuntimeError, match="no room"):
+        kv_pool.gpu_blocks_that_fit(block, 16, 11 * gib, "cuda")
