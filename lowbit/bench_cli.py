@@ -11,6 +11,7 @@ BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 BENCHES = {
     "kernels": "kernels.py",  # low-precision GEMMs vs cuBLAS bf16 and torch._scaled_mm (GPU)
     "accuracy": "accuracy.py",  # every recipe on the embedded model: time, size, held-out perplexity (CPU)
+    "serve": "serve_bench.py",  # engine throughput and latency on dummy Llama-3.1-8B weights vs HF generate (GPU)
     "serve-load": "serve_load.py",  # concurrent streaming clients against `lowbit serve` (loopback)
 }
 
