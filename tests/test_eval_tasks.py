@@ -76,3 +76,31 @@ def test_batching_does_not_change_scores(embedded, monkeypatch):
     single = lm._loglikelihood_tokens(requests, disable_tqdm=True)
     for (lp, greedy), (lp_ref, greedy_ref) in zip(batched, single):
         assert abs(lp - lp_ref) < 1e-4 and greedy == greedy_ref
+
+
+def test_scorer_works_with_attention_that_builds_no_mask(embedded):
+    """An attention implementation registered without a mask function (like the reference reader's FP8 KV
+    attention) gets no causal mask from transformers: the scorer must supply one for its cached continuations."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from lowbit.evaluate.harness import inproc_lm
+
+    def sdpa_without_mask_function(*args, **kwargs):
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
+
+    model, tokenizer = embedded
+    pairs = [("Question: Which is a liquid?\nAnswer:", c) for c in (" water", " a solid block of ice")]
+    pairs += [("One two three", " four five six seven")]
+    stock = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1)
+    requests = [((c, x), *stock._encode_pair(c, x)) for c, x in pairs]
+    want = stock._loglikelihood_tokens(requests, disable_tqdm=True)
+    AttentionInterface.register("lowbit_test_nomask", sdpa_without_mask_function)
+    model.set_attn_implementation("lowbit_test_nomask")
+    try:
+        got = inproc_lm(model, tokenizer)._loglikelihood_tokens(requests, disable_tqdm=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    for (lp, greedy), (lp_ref, greedy_ref) in zip(got, want):
+        assert abs(lp - lp_ref) < 1e-3 and greedy == greedy_ref

@@ -19,9 +19,8 @@ class SharedContextLM(HFLM):
 
     A multiple-choice document asks for log P(choice | context) for every choice: the context is encoded once,
     its KV cache repeated per choice, and only the continuation tokens are run again. Documents whose contexts
-    have the same length are batched, so no attention mask is needed: continuations are right-padded, and under
-    causal attention no real token sees a pad. (Not every attention implementation honours a padding mask; the
-    reference reader's fake-quant FP8 KV attention does not.) The logits are those of a full forward pass up to
+    have the same length are batched, so no padding mask is needed: continuations are right-padded, and under
+    causal attention no real token sees a pad. The logits are those of a full forward pass up to
     float rounding (tests compare against HFLM).
     """
 
@@ -75,7 +74,8 @@ def score_batch(model, ctxs: list[list[int]], conts: list[list[list[int]]], devi
         cache = out.past_key_values
         cache.batch_select_indices(rows)
         tokens = _right_pad([c[:-1] for c in flat], device)  # [R, W]
-        rest = model(tokens, **{_cache_kwarg(model): cache}).logits
+        mask = _suffix_causal_mask(len(ctxs[0]), tokens.shape[1], out.logits.dtype, device)
+        rest = model(tokens, attention_mask=mask, **{_cache_kwarg(model): cache}).logits
         logprobs = torch.cat([logprobs, F.log_softmax(rest.float(), dim=-1)], dim=1)  # [R, W + 1, vocab]
     answers, r = [], 0
     for cs in conts:
@@ -85,6 +85,18 @@ def score_batch(model, ctxs: list[list[int]], conts: list[list[list[int]]], devi
             answers[-1].append((float(lp.gather(1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())))
             r += 1
     return answers
+
+
+def _suffix_causal_mask(past: int, width: int, dtype, device) -> torch.Tensor:
+    """[1, 1, width, past + width] additive mask: new token i sees the past and new tokens 0..i.
+
+    Given explicitly because transformers builds no mask for attention implementations registered without a mask
+    function (the reference reader's FP8 KV attention), and SDPA's own is_causal aligns the causal triangle
+    top-left when queries are fewer than keys: continuation tokens would not see their context.
+    """
+    allowed = torch.arange(past + width, device=device)[None, :] <= past + torch.arange(width, device=device)[:, None]
+    mask = torch.zeros(width, past + width, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 def _right_pad(seqs: list[list[int]], device) -> torch.Tensor:

@@ -6,6 +6,7 @@ from pathlib import Path
 from lowbit.errors import UserError
 from lowbit.evaluate import cache, compare, perplexity
 from lowbit.evaluate.harness import inproc_lm, run_task, server_lm
+from lowbit.evaluate.tasks import fingerprint
 
 TEXT_TASK = "ppl"  # perplexity, KL and top-1 agreement on held-out text
 
@@ -49,7 +50,8 @@ def baseline_results(side: Side, plan: Plan) -> dict:
     digest = cache.model_hash(side.path)
     out, cached, lm = {"tasks": {}, "text": None}, [], None
     for name in plan.lm_tasks:
-        k = cache.key(digest, name, {"limit": plan.limit})
+        task_file = fingerprint(name)
+        k = cache.key(digest, name, {"limit": plan.limit} | ({"task_file": task_file} if task_file else {}))
         result = cache.load_json(k) if plan.use_cache else None
         if result is None:
             lm = lm or side.lm()

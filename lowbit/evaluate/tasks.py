@@ -91,3 +91,12 @@ def check_task_names(names: list[str]) -> None:
     if unknown:
         raise UserError(f"unknown task(s) {', '.join(unknown)}; built in: {', '.join(OFFLINE)}, ppl; "
                         f"or any lm-eval task name or task YAML path")
+
+
+def fingerprint(name: str) -> str | None:
+    """sha256 of a task YAML file given by path (its edits must change cache keys); None for named tasks."""
+    if not name.endswith((".yaml", ".yml")):
+        return None
+    import hashlib
+
+    return hashlib.sha256(Path(name).read_bytes()).hexdigest()
