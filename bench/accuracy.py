@@ -27,6 +27,7 @@ from lowbit.recipe import load_recipe
 RECIPES = ("fp8", "fp8_dynamic", "nvfp4", "int4_rtn", "int4_awq", "w8a8_sq")
 SOURCES = ("boolq", "lambada")
 SEQ_LEN = 512
+NOTES_MARK = "<!-- notes: kept across re-runs -->"
 
 
 def heldout(tokenizer, num_seqs: int) -> list[tuple[str, list[int]]]:
@@ -75,12 +76,13 @@ def measure(recipe, stock: bool, seqs, model_dir: Path) -> dict:
         row["ppl"] = perplexity(model, seqs)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ckpt"
+        t1 = time.time()
         try:
             export(model, tok, recipe, out, source=str(model_dir))
         except NotImplementedError as e:  # stock INT4 g128 on 576-wide layers: recorded in the table
             row["export_error"] = str(e).split(":")[0]
         else:
-            row["quantize_s"] = time.time() - t0
+            row["export_s"] = time.time() - t1
             row["size_mb"] = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20
             if not stock:
                 row["ppl"] = perplexity(load_reference_model(out)[0], seqs)
@@ -108,16 +110,27 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "lowbit rows: perplexity of lowbit's reference reader on the exported checkpoint. Stock rows: modelopt's",
         "fake-quant model (same calibration data; FP8 KV added with `update_quant_cfg_with_kv_cache_quant` where the",
         "recipe has a KV cache).", "",
-        "| recipe | config | quant_algo | quantize s (calib s) | size MB | BoolQ ppl | LAMBADA ppl |",
-        "|---|---|---|---|---|---|---|",
+        "| recipe | config | quant_algo | calibrate s | export s | size MB | BoolQ ppl | LAMBADA ppl |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        t = f"{r['quantize_s']:.0f} ({r['calib_s']:.0f})" if "quantize_s" in r else (
-            f"export fails ({r['calib_s']:.0f})" if "calib_s" in r else "—")
+        calib = f"{r['calib_s']:.0f}" if "calib_s" in r else "—"
+        export = f"{r['export_s']:.0f}" if "export_s" in r else ("fails" if "export_error" in r else "—")
         size = f"{r['size_mb']:.0f}" if "size_mb" in r else r.get("export_error", "—")
         ppl = [f"{r['ppl'][s]:.2f} ({100 * (r['ppl'][s] / base[s] - 1):+.1f} %)" for s in SOURCES]
-        lines.append(f"| {r['recipe']} | {r['config']} | {r['quant_algo']} | {t} | {size} | {ppl[0]} | {ppl[1]} |")
-    return "\n".join(lines) + "\n" + meta.get("notes", "")
+        lines.append(f"| {r['recipe']} | {r['config']} | {r['quant_algo']} | {calib} | {export} | {size} | {ppl[0]} | "
+                     f"{ppl[1]} |")
+    return "\n".join(lines) + "\n\n" + NOTES_MARK + "\n" + meta.get("notes", "")
+
+
+def kept_notes(out: Path) -> str:
+    """Hand-written notes below NOTES_MARK in an existing output survive a re-run."""
+    text = out.read_text() if out.is_file() else ""
+    return text.split(NOTES_MARK + "\n", 1)[1] if NOTES_MARK in text else ""
+
+
+def rows_from_log(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
 
 
 def main(argv=None) -> int:
@@ -127,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-stock", action="store_true", help="skip modelopt's stock configs")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="docs/accuracy.md")
-    p.add_argument("--notes", default="", help="markdown file appended below the table")
+    p.add_argument("--from-log", help="re-render the table from the JSON rows of an earlier run's stderr log")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = models.resolve(models.DEFAULT_MODEL)
@@ -139,9 +152,13 @@ def main(argv=None) -> int:
                        f"({args.threads} thread), {platform.platform()}",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "heldout": f"{args.num_seqs} x {SEQ_LEN} tokens each of BoolQ and LAMBADA held-out passages",
-            "notes": Path(args.notes).read_text() if args.notes else ""}
-    rows = [baseline(seqs, model_dir)]
+            "notes": kept_notes(Path(args.out))}
     out = Path(args.out)
+    if args.from_log:
+        out.write_text(markdown(rows_from_log(Path(args.from_log)), meta))
+        return 0
+    rows = [baseline(seqs, model_dir)]
+    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     for name in args.recipes.split(","):
         for stock in (False, True)[:1 if args.no_stock else 2]:
             rows.append(measure(load_recipe(name), stock, seqs, model_dir))

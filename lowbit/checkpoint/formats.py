@@ -2,6 +2,21 @@
 
 Every function here is a reference: exact unpacking, dequantization and fake quantization of activations.
 Scales are dequantization multipliers (x ~= q * scale). Shapes are written [out, in] for weights.
+
+Checked against real modelopt 0.47 CPU exports (tests/test_formats_export.py, tests/test_formats_nvfp4.py):
+- NVFP4: codes, e4m3 block scales (1.0 for an all-zero block, clamped to [2^-9, 448]) and packing equal
+  NVFP4QTensor.quantize bit for bit; a negative value that rounds to 0 keeps its sign (code 8). Dequantize as
+  e2m1 * (block_scale * weight_scale_2), the fp32 product first: that is modelopt's order and gives its fake-quant
+  weight exactly. q/k/v and gate/up share weight_scale_2 and input_scale.
+- W4A16_AWQ: uint8 [out/2, in] (row 2j low nibble), weight_scale fp32 [out, in/group]; pre_quant_scale only on
+  o_proj/down_proj (q/k/v, gate/up: folded into the RMSNorm weight). Export refuses in % group != 0; lowbit gives
+  such layers a smaller group and the config becomes MIXED_PRECISION with per-layer group_size. INT4 RTN exports
+  the same layout without pre_quant_scale.
+- W8A8_SQ_PER_CHANNEL: weights [-128, 127] (never -128 in practice), static activations use the full range
+  [-128, 127] (modelopt's input quantizer is not narrow-range); pre_quant_scale on every linear, model dtype.
+- FP8 / FP8_PER_CHANNEL_PER_TOKEN: export computes w / (amax/448), modelopt's fake quant w * (448/amax); on exact
+  rounding ties (common on GGUF-derived weights) the two round to neighbouring codes, so a checkpoint and the
+  fake-quant model it came from can differ by one code step on ~0.2 % of a layer's weights.
 """
 import torch
 
