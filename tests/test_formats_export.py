@@ -7,7 +7,7 @@ What is proven, per recipe:
   (the weight sits on a midpoint to 1e-5 relative, common here because the weights come from a 4-bit GGUF grid),
   where modelopt's fake quant (x * (max/amax)) and its export (x / (amax/max)) may round to the two neighbours;
 - every layer of a KV-quantized recipe has fp32 k_scale/v_scale = calibrated amax / 448;
-- lowbit's reference reader gives the same logits as modelopt's fake-quant model (tolerances in LOGIT_TOL).
+- lowbit's reference reader gives the same logits as modelopt's fake-quant model (EXACT_TOL, NOISE_RATIO).
 """
 import pytest
 import torch
@@ -15,10 +15,12 @@ import torch
 from lowbit.checkpoint import formats
 
 RECIPES = ("fp8", "fp8_dynamic", "nvfp4", "int4_awq", "int4_rtn", "w8a8_sq")
-# max |reader logit - modelopt fake-quant logit| on 64 held-out tokens (logits span about +-80).
-# NVFP4, AWQ and SmoothQuant weights carry no ties and match to float rounding; FP8 and RTN inherit the tie
-# flips above (each one weight moved by one code step).
-LOGIT_TOL = {"nvfp4": 1e-3, "int4_awq": 1e-3, "w8a8_sq": 5e-3, "int4_rtn": 0.5, "fp8": 2.0, "fp8_dynamic": 2.0}
+# Reader vs modelopt fake-quant logits on 64 held-out tokens. NVFP4 and AWQ: max |diff| <= EXACT_TOL (same
+# numbers up to float rounding). Static-activation and tie-affected formats: float32 noise (sdpa vs modelopt's
+# attention) or tie flips move a few activation/weight codes by one step, so the bound is relative to the
+# quantization error itself: rel-L2(reader, modelopt) <= NOISE_RATIO * rel-L2(float model, modelopt).
+EXACT_TOL = 1e-3
+NOISE_RATIO = {"w8a8_sq": 0.1, "int4_rtn": 0.1, "fp8": 0.75, "fp8_dynamic": 0.75}
 TIE_FRACTION = 0.01  # at most 1 % of a layer's weights may sit on a tie
 
 
@@ -167,11 +169,22 @@ def test_packed_codes_equal_modelopt_quantization(exported):
         assert differ.float().mean() <= TIE_FRACTION, name
 
 
-def test_reader_logits_match_modelopt_fake_quant(exported):
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_reader_logits_match_modelopt_fake_quant(exported, float_model):
     from lowbit.checkpoint.reference import load_reference_model
 
     model, _ = load_reference_model(exported["ckpt"].path)
     with torch.no_grad():
         logits = model(exported["ids"]).logits
-    diff = (logits - exported["logits"]).abs().max().item()
-    assert diff <= LOGIT_TOL[exported["recipe"].name], f"max |logit diff| {diff}"
+        float_logits = float_model[0](exported["ids"]).logits
+    ref, name = exported["logits"], exported["recipe"].name
+    reader_gap, quant_gap = rel_l2(logits, ref), rel_l2(float_logits, ref)
+    print(f"{name}: max |diff| {(logits - ref).abs().max().item():.2e}, rel-L2 reader {reader_gap:.2e} "
+          f"vs quantization {quant_gap:.2e}")
+    if name in NOISE_RATIO:
+        assert reader_gap <= NOISE_RATIO[name] * quant_gap
+    else:
+        assert (logits - ref).abs().max().item() <= EXACT_TOL
