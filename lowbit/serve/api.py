@@ -3,6 +3,7 @@
 The only module that imports FastAPI (and, through protocol.py, pydantic).
 """
 import asyncio
+import copy
 import json
 import time
 from functools import lru_cache
@@ -60,7 +61,7 @@ def _sse(payload: dict | str) -> str:
 
 async def _merge(streams, request: Request | None = None):
     """(index, output) from several async generators as they come; cancelling this cancels (and aborts) all,
-    and so does the client of `request` going away (checked each second while nothing arrives)."""
+    and so does the client of `request` going away (checked once a second)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, stream):
@@ -75,13 +76,20 @@ async def _merge(streams, request: Request | None = None):
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         remaining = len(tasks)
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         while remaining:
             try:
-                i, out, error = await asyncio.wait_for(queue.get(), timeout=1.0)
+                item = await asyncio.wait_for(queue.get(), timeout=1.0)
             except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
+                item = None
+            if request is not None and loop.time() - checked >= 1.0:
+                checked = loop.time()
+                if await request.is_disconnected():
                     return
+            if item is None:
                 continue
+            i, out, error = item
             if error is not None:
                 raise error
             if out is None:
@@ -98,7 +106,7 @@ class OpenAIServer:
     def __init__(self, engine: AsyncEngine, model_name: str):
         self.engine = engine
         self.model_name = model_name
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = copy.deepcopy(engine.engine.tokenizer)  # the engine thread's own one is never shared
         self.token_text = lru_cache(maxsize=65536)(lambda i: self.tokenizer.decode([i]))
 
     # ---- plain endpoints
@@ -108,7 +116,7 @@ class OpenAIServer:
         return {"status": "ok"}
 
     async def metrics(self):
-        text, _ = self.engine.snapshot()
+        text, _ = await self.engine.snapshot()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def models(self):
@@ -121,14 +129,14 @@ class OpenAIServer:
         if model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model", "model_not_found")
 
-    def _submit(self, prefix: str, prompts: list, params) -> tuple[str, list]:
+    async def _submit(self, prefix: str, prompts: list, params) -> tuple[str, list]:
         """Adds one engine request per prompt; returns (response id, [stream]). Bad prompts: 400, nothing left."""
         rid = self.engine.new_request_id(prefix)
         streams = []
         try:
             for i, prompt in enumerate(prompts):
-                queue = self.engine.add(f"{rid}-{i}", prompt, params)
-                streams.append(self.engine.stream(f"{rid}-{i}", queue))
+                outputs = await self.engine.add(f"{rid}-{i}", prompt, params)
+                streams.append(self.engine.stream(f"{rid}-{i}", outputs))
         except ValueError as e:
             for i in range(len(streams)):
                 self.engine.abort(f"{rid}-{i}")
@@ -168,7 +176,7 @@ class OpenAIServer:
     async def completions(self, req: CompletionRequest, request: Request):
         self._check_model(req.model)
         params = req.params()
-        rid, streams = self._submit("cmpl", req.prompts(), params)
+        rid, streams = await self._submit("cmpl", req.prompts(), params)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
             return self._stream(self._completion_events(req, head, streams))
@@ -230,7 +238,7 @@ class OpenAIServer:
         except Exception as e:  # jinja raises its own errors for conversations the template refuses
             raise APIError(400, f"chat template: {e}", param="messages") from e
         ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
-        rid, streams = self._submit("chatcmpl", [ids], params)
+        rid, streams = await self._submit("chatcmpl", [ids], params)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
             return self._stream(self._chat_events(req, head | {"object": "chat.completion.chunk"}, streams[0]))
