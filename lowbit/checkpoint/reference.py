@@ -40,9 +40,12 @@ def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def _register_kv_attention() -> None:
+    """SDPA with fake-quantized K/V; masks (causal, padding, cached continuations) are built as for SDPA."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(KV_ATTENTION, _fp8_kv_attention)
+    AttentionMaskInterface.register(KV_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def load_reference_model(path, dtype=torch.float32):
