@@ -62,22 +62,6 @@ def test_shared_context_loglikelihoods_equal_hflm(embedded):
         assert abs(lp - lp_ref) < 1e-3 and greedy == greedy_ref
 
 
-def test_batching_does_not_change_scores(embedded, monkeypatch):
-    from lowbit.evaluate import harness
-
-    model, tokenizer = embedded
-    lm = harness.inproc_lm(model, tokenizer)
-    pairs = [("The cat sat on the", x) for x in (" mat", " roof of the house")]
-    pairs += [("The dog ran to the", x) for x in (" park", " door", " end of the road")]  # same context length
-    pairs += [("Hello", " world"), ("A much longer context than the others, to be sure", ".")]
-    requests = [((c, x), *lm._encode_pair(c, x)) for c, x in pairs]
-    batched = lm._loglikelihood_tokens(requests, disable_tqdm=True)
-    monkeypatch.setattr(harness, "TOKEN_BUDGET", 1)  # one document per forward pass
-    single = lm._loglikelihood_tokens(requests, disable_tqdm=True)
-    for (lp, greedy), (lp_ref, greedy_ref) in zip(batched, single):
-        assert abs(lp - lp_ref) < 1e-4 and greedy == greedy_ref
-
-
 def test_scorer_works_with_attention_that_builds_no_mask(embedded):
     """An attention implementation registered without a mask function (like the reference reader's FP8 KV
     attention) gets no causal mask from transformers: the scorer must supply one for its cached continuations."""

@@ -4,7 +4,7 @@ import logging
 
 from lowbit.errors import UserError
 
-DEFAULT_TASKS = ("arc_easy", "hellaswag", "piqa", "lambada", "ppl")
+DEFAULT_TASKS = ("arc_easy", "hellaswag", "piqa", "ppl")  # lambada: on request (see docs/evaluate.md)
 
 EXAMPLES = """\
 examples:

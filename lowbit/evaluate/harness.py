@@ -11,17 +11,14 @@ from lm_eval.models.huggingface import HFLM
 from lowbit.errors import UserError
 
 
-TOKEN_BUDGET = 2048  # context + continuation tokens per forward pass: bounds the [rows, width, vocab] logits
-
-
 class SharedContextLM(HFLM):
     """HFLM (same tokenization, truncation and request handling) that runs each distinct context once.
 
     A multiple-choice document asks for log P(choice | context) for every choice: the context is encoded once,
-    its KV cache repeated per choice, and only the continuation tokens are run again. Documents whose contexts
-    have the same length are batched, so no padding mask is needed: continuations are right-padded, and under
-    causal attention no real token sees a pad. The logits are those of a full forward pass up to
-    float rounding (tests compare against HFLM).
+    its KV cache repeated per choice, and only the continuation tokens are run again. One document per forward
+    pass: batching documents bought no speed on CPU, and a fake-quantized model's scores would then depend on
+    which other documents share its batch (FP8 rounding amplifies float-rounding differences). The logits are
+    those of a full forward pass up to float rounding (tests compare against HFLM).
     """
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
@@ -31,59 +28,34 @@ class SharedContextLM(HFLM):
             groups[tuple(full[:len(full) - len(cont)])].append(i)
         results = [None] * len(requests)
         pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="Scoring (loglikelihood)")
-        for batch in _batches(sorted(groups.items(), key=lambda kv: -len(kv[0])), requests):
-            conts = [[requests[i][2] for i in idx] for _, idx in batch]
-            scored = score_batch(self.model, [list(ctx) for ctx, _ in batch], conts, self.device)
-            for (_, idx), answers in zip(batch, scored):
-                for i, answer in zip(idx, answers):
-                    results[i] = answer
-                    if requests[i][0] is not None:
-                        self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
-                pbar.update(len(idx))
+        for ctx, idx in groups.items():
+            scored = score_continuations(self.model, list(ctx), [requests[i][2] for i in idx], self.device)
+            for i, answer in zip(idx, scored):
+                results[i] = answer
+                if requests[i][0] is not None:
+                    self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+            pbar.update(len(idx))
         pbar.close()
         return results
 
 
-def _batches(groups: list, requests: list):
-    """Consecutive (context, request indices) groups of one context length, within TOKEN_BUDGET padded tokens."""
-    batch, cont_width, rows = [], 0, 0
-    for ctx, idx in groups:
-        w = max(len(requests[i][2]) for i in idx)
-        size = len(ctx) * (len(batch) + 1) + max(cont_width, w) * (rows + len(idx))
-        if batch and (len(ctx) != len(batch[0][0]) or size > TOKEN_BUDGET):
-            yield batch
-            batch, cont_width, rows = [], 0, 0
-        batch.append((ctx, idx))
-        cont_width, rows = max(cont_width, w), rows + len(idx)
-    if batch:
-        yield batch
-
-
 @torch.no_grad()
-def score_batch(model, ctxs: list[list[int]], conts: list[list[list[int]]], device) -> list[list[tuple[float, bool]]]:
-    """For each context g and each of its continuations: (sum of log P(cont | ctx), cont is the greedy one).
-
-    All contexts have the same length.
-    """
-    out = model(torch.tensor(ctxs, device=device), use_cache=True, logits_to_keep=1)
-    first = F.log_softmax(out.logits[:, -1].float(), dim=-1)  # [G, vocab]: predicts each continuation's first token
-    rows = torch.tensor([g for g, cs in enumerate(conts) for _ in cs], device=device)  # one row per continuation
-    flat = [c for cs in conts for c in cs]
-    logprobs = first[rows][:, None]  # [R, 1, vocab]
-    if max(len(c) for c in flat) > 1:
+def score_continuations(model, ctx: list[int], conts: list[list[int]], device) -> list[tuple[float, bool]]:
+    """(sum of log P(cont | ctx), cont is the greedy continuation) for each continuation."""
+    out = model(torch.tensor([ctx], device=device), use_cache=True, logits_to_keep=1)
+    first = F.log_softmax(out.logits[0, -1].float(), dim=-1)  # [vocab]: predicts each cont's first token
+    logprobs = first.expand(len(conts), 1, -1)  # [R, 1, vocab]
+    if max(len(c) for c in conts) > 1:
         cache = out.past_key_values
-        cache.batch_select_indices(rows)
-        tokens = _right_pad([c[:-1] for c in flat], device)  # [R, W]
-        mask = _suffix_causal_mask(len(ctxs[0]), tokens.shape[1], out.logits.dtype, device)
+        cache.batch_repeat_interleave(len(conts))
+        tokens = _right_pad([c[:-1] for c in conts], device)  # [R, W]: pads come last, no real token sees one
+        mask = _suffix_causal_mask(len(ctx), tokens.shape[1], out.logits.dtype, device)
         rest = model(tokens, attention_mask=mask, **{_cache_kwarg(model): cache}).logits
         logprobs = torch.cat([logprobs, F.log_softmax(rest.float(), dim=-1)], dim=1)  # [R, W + 1, vocab]
-    answers, r = [], 0
-    for cs in conts:
-        answers.append([])
-        for c in cs:
-            lp, target = logprobs[r, :len(c)], torch.tensor(c, device=device)
-            answers[-1].append((float(lp.gather(1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())))
-            r += 1
+    answers = []
+    for row, c in enumerate(conts):
+        lp, target = logprobs[row, :len(c)], torch.tensor(c, device=device)
+        answers.append((float(lp.gather(1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())))
     return answers
 
 
