@@ -116,7 +116,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     for r in rows:
         calib = f"{r['calib_s']:.0f}" if "calib_s" in r else "—"
         export = f"{r['export_s']:.0f}" if "export_s" in r else ("fails" if "export_error" in r else "—")
-        size = f"{r['size_mb']:.0f}" if "size_mb" in r else r.get("export_error", "—")
+        size = f"{r['size_mb']:.0f}" if "size_mb" in r else "—"
         ppl = [f"{r['ppl'][s]:.2f} ({100 * (r['ppl'][s] / base[s] - 1):+.1f} %)" for s in SOURCES]
         lines.append(f"| {r['recipe']} | {r['config']} | {r['quant_algo']} | {calib} | {export} | {size} | {ppl[0]} | "
                      f"{ppl[1]} |")
