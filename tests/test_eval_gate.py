@@ -64,3 +64,12 @@ def test_confidence_range():
     with pytest.raises(UserError):
         gate.check_confidence(1.0)
     assert gate.critical_value(0) == 0
+
+
+def test_json_report_is_strict(tmp_path):
+    import json
+
+    from lowbit.evaluate.report import write_json
+
+    write_json({"summary": {"recovery": (float("nan"), 0.1)}, "n": 3}, tmp_path / "r.json")
+    assert json.loads((tmp_path / "r.json").read_text()) == {"summary": {"recovery": [None, 0.1]}, "n": 3}

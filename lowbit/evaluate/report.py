@@ -82,6 +82,17 @@ def markdown(result: dict) -> str:
 
 
 def write_json(result: dict, path) -> None:
+    """Strict JSON: NaN and infinities (e.g. recovery when the baseline scored 0) become null."""
     with open(path, "w") as f:
-        json.dump(result, f, indent=2)
+        json.dump(_finite(result), f, indent=2, allow_nan=False)
         f.write("\n")
+
+
+def _finite(x):
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
