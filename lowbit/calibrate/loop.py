@@ -1,6 +1,7 @@
 """Calibration: token batches -> forward passes -> modelopt quantizers with calibrated amax."""
 import sys
 import time
+from contextlib import redirect_stdout
 
 import torch
 from tqdm import tqdm
@@ -37,8 +38,9 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
 
     t0 = time.time()
     nvfp4_cpu.install()  # CPU kernel for NVFP4 dynamic block quantization; CUDA keeps modelopt's own
-    cfg = config if config is not None else modelopt_config(recipe, model)
-    model = mtq.quantize(model, cfg, forward_loop(batches, desc=f"calibrating {recipe.name}"))
+    with redirect_stdout(sys.stderr):  # modelopt prints its config and counts: keep stdout for the summary
+        cfg = config if config is not None else modelopt_config(recipe, model)
+        model = mtq.quantize(model, cfg, forward_loop(batches, desc=f"calibrating {recipe.name}"))
     if recipe.kv_cache:
         check_kv_calibrated(model)
     print(f"[lowbit] calibrated {len(batches)} x {len(batches[0])} tokens in {time.time() - t0:.1f} s", file=sys.stderr)

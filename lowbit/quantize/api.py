@@ -71,7 +71,10 @@ def quantize(model: str = models.DEFAULT_MODEL, recipe="fp8", out=None, calib=No
     calibrate(hf_model, recipe, batches)
     quantized, excluded = count_layers(hf_model)
     export(hf_model, tokenizer, recipe, out, source=str(model), force=force)
-    return QuantizeResult(out, recipe.name, recipe.quant_algo, recipe.kv_cache, time.time() - t0,
+    from lowbit.checkpoint import read
+
+    written = read(out)  # the truth on disk, e.g. MIXED_PRECISION when layers got different group sizes
+    return QuantizeResult(out, recipe.name, written.quant_algo, written.kv_algo, time.time() - t0,
                           dir_mb(src, "*.safetensors"), dir_mb(out, "*.safetensors"), quantized, excluded)
 
 
