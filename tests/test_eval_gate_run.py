@@ -5,7 +5,6 @@ import shutil
 import sys
 
 import pytest
-import torch
 
 from lowbit import cli
 

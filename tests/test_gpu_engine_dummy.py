@@ -4,14 +4,11 @@ CPU: the Triton interpreter on a tiny fp32 model (attention kernels only; linear
 GPU: bench/serve_bench.py's check (all kernels + CUDA graphs vs the reference path) on 2 layers of Llama-8B widths.
 """
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede triton's first import; see lowbit/kernels/_triton.py
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from lowbit.kernels._triton import interpreting  # noqa: E402

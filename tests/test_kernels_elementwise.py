@@ -1,13 +1,8 @@
 """RMSNorm(+residual), rotary and SiLU-and-mul: Triton kernels (CPU interpreter) against their torch references."""
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede triton's first import; see lowbit/kernels/_triton.py
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(1)
 pytest.importorskip("triton")
 
 from lowbit.kernels._triton import interpreting  # noqa: E402

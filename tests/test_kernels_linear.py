@@ -1,14 +1,9 @@
 """prepare_linear / linear / linear_ref: one call site for every format, on CPU (reference) and through the kernel
 path under the interpreter."""
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede triton's first import; see lowbit/kernels/_triton.py
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(1)
 
 from lowbit.checkpoint.formats import reference_linear  # noqa: E402
 from lowbit.kernels import linear, linear_ref, prepare_linear  # noqa: E402

@@ -1,14 +1,9 @@
 """4-bit weight-only GEMM: packing round trip and the Triton kernel (CPU interpreter, fp16: the interpreter's bf16
 tl.dot is wrong) against the torch reference, for INT4 (modelopt AWQ) and NVFP4 weights."""
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede triton's first import; see lowbit/kernels/_triton.py
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(1)
 pytest.importorskip("triton")
 
 from lowbit.kernels._triton import interpreting  # noqa: E402
