@@ -165,7 +165,7 @@ def weight_bytes(engine) -> int:
 @contextmanager
 def reference_path(engine):
     """Every op on its torch reference (NVFP4 as the weight-only reference, which is what Hopper serves)."""
-    from lowbit.kernels import linear_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref
+    from lowbit.kernels import linear_ref, rms_norm_ref, rotary_qk_ref, rotary_ref, silu_and_mul_ref
 
     weight_only = {}
 
@@ -175,10 +175,10 @@ def reference_path(engine):
             p = weight_only.setdefault(id(p), replace(p, algo="W4A16_NVFP4", input_scale=None))
         return linear_ref(x, p, bias, out_dtype)
 
-    saved = {n: getattr(layers_mod, n) for n in ("quant_linear", "rms_norm", "rotary", "silu_and_mul")}
+    saved = {n: getattr(layers_mod, n) for n in ("quant_linear", "rms_norm", "rotary", "rotary_qk", "silu_and_mul")}
     backend, graphs = attn_mod._backend, engine.runner.graphs
     layers_mod.quant_linear, layers_mod.rms_norm = ref_linear, rms_norm_ref
-    layers_mod.rotary, layers_mod.silu_and_mul = rotary_ref, silu_and_mul_ref
+    layers_mod.rotary, layers_mod.rotary_qk, layers_mod.silu_and_mul = rotary_ref, rotary_qk_ref, silu_and_mul_ref
     attn_mod.set_attention_backend(attn_mod.TorchAttentionBackend())
     engine.runner.graphs = None
     try:

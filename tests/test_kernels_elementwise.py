@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from lowbit.kernels.norm import rms_norm_ref, rms_norm_triton  # noqa: E402
-from lowbit.kernels.rotary import rotary_ref, rotary_triton  # noqa: E402
+from lowbit.kernels.rotary import rotary_qk_ref, rotary_qk_triton, rotary_ref, rotary_triton  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(),
                                 reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
@@ -69,6 +69,20 @@ def test_rotary_matches_reference_with_flat_and_3d_heads():
     q_ref, k_ref = rotary_ref(q, k, pos, cache)
     assert q_out.shape == q.shape and k_out.shape == k.shape
     assert rel_err(q_out, q_ref) < 2e-3 and rel_err(k_out, k_ref) < 2e-3
+
+
+def test_rotary_qk_reads_strided_qkv_rows_in_one_launch():
+    g = torch.Generator().manual_seed(4)
+    t, hq, hk, d = 5, 6, 2, 32
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).half()  # q | k | v per row, as the fused projection writes
+    pos = torch.randint(0, 64, (t,), generator=g)
+    cache = _cos_sin_cache(64, d)
+    q_out, k_out = rotary_qk_triton(qkv, hq, hk, pos, cache)
+    q_ref, k_ref = rotary_qk_ref(qkv, hq, hk, pos, cache)
+    assert q_out.shape == (t, hq * d) and k_out.shape == (t, hk * d)
+    assert rel_err(q_out, q_ref) < 2e-3 and rel_err(k_out, k_ref) < 2e-3
+    q_sep, k_sep = rotary_ref(qkv[:, :hq * d].contiguous(), qkv[:, hq * d:(hq + hk) * d].contiguous(), pos, cache)
+    assert torch.equal(q_ref, q_sep) and torch.equal(k_ref, k_sep)
 
 
 def test_silu_and_mul_matches_reference():

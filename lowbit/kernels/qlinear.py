@@ -124,9 +124,9 @@ def _check_fp8_input(p: PreparedLinear):
 def linear_ref(x: torch.Tensor, prepared: PreparedLinear, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """reference_linear semantics (NVFP4 activations fake-quantized): fp32 math, result in x's dtype."""
-    if x.dtype == torch.float8_e4m3fn:
+    if x.dtype == torch.float8_e4m3fn:  # dequantized and rounded to the output dtype, as fake quantization does
         _check_fp8_input(prepared)
-        xq = x.float() * prepared.input_scale.to(x.device)
+        xq = (x.float() * prepared.input_scale.to(x.device)).to(_out_dtype(x, out_dtype)).float()
     else:
         xq = quantize_activation(prepared.algo, x, prepared.activation_tensors()).float()
     y = xq @ prepared.ref_weight().to(x.device).t()

@@ -14,10 +14,11 @@ def _amax(t: torch.Tensor, dim=None) -> torch.Tensor:
 
 
 def quantize_linear(algo: str, w: torch.Tensor, x_amax: float = 4.0, group: int = 128,
-                    smooth: torch.Tensor | None = None) -> dict:
+                    smooth: torch.Tensor | None = None, w_amax: float | None = None) -> dict:
     """w [N, K] float -> {weight, weight_scale, ...} as modelopt exports them for `algo`.
 
     smooth [K] (optional) is stored as pre_quant_scale where the format carries one (W8A8_SQ, W4A16_AWQ).
+    w_amax (optional) fixes NVFP4's weight_scale_2 (modelopt gives q/k/v and gate/up one shared value).
     """
     w = w.float()
     t = {}
@@ -42,7 +43,7 @@ def quantize_linear(algo: str, w: torch.Tensor, x_amax: float = 4.0, group: int 
         if smooth is not None:
             t["pre_quant_scale"] = smooth
     elif algo in ("NVFP4", "W4A16_NVFP4"):
-        t["weight_scale_2"] = _amax(w) / (E2M1_MAX * FP8_MAX)
+        t["weight_scale_2"] = (_amax(w) if w_amax is None else torch.tensor(w_amax, device=w.device)) / (E2M1_MAX * FP8_MAX)
         codes, t["weight_scale"] = nvfp4_quantize(w, t["weight_scale_2"])
         t["weight"] = pack_e2m1(codes)
         if algo == "NVFP4":

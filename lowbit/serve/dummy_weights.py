@@ -89,7 +89,8 @@ class LazyTensors(Mapping):
         out_f, in_f = _linear_shape(c, module)
         w = STD * torch.randn(out_f, in_f, generator=g, device=dev)
         algo = self.ckpt.layer_algo(module)
-        tensors = {"weight": w.to(torch.bfloat16)} if algo is None else quantize_linear(algo, w)
+        # NVFP4: one weight_scale_2 for every layer, so q/k/v and gate/up share it as in modelopt's export
+        tensors = {"weight": w.to(torch.bfloat16)} if algo is None else quantize_linear(algo, w, w_amax=8 * STD)
         if self.ckpt.kv_algo == "FP8" and module.endswith((".k_proj", ".v_proj")):
             kind = module[-6]  # "k" or "v"
             tensors[f"{kind}_scale"] = torch.tensor(0.05 if kind == "k" else 0.01, device=dev)  # amax 22.4 / 4.5

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.kernels import linear as quant_linear
-from lowbit.kernels import prepare_linear, rms_norm, rotary, silu_and_mul
+from lowbit.kernels import prepare_linear, rms_norm, rotary, rotary_qk, silu_and_mul
+from lowbit.serve.fuse import merge_linear_tensors
 
 
 class Linear(nn.Module):
@@ -23,6 +24,7 @@ class Linear(nn.Module):
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.prepared = None
+        self.dtype: torch.dtype | None = None  # the model's activation dtype (also the output of an fp8 input)
 
     def load(self, algo: str | None, tensors: dict, device, dtype) -> None:
         tensors = dict(tensors)
@@ -30,16 +32,54 @@ class Linear(nn.Module):
         if self.has_bias != (bias is not None):
             raise ValueError(f"bias expected={self.has_bias}, found={bias is not None}")
         self.bias = None if bias is None else bias.to(device, dtype)
-        self.algo = algo
+        self.algo, self.dtype = algo, dtype
         if algo is None:
             self.weight = tensors["weight"].to(device, dtype)
         else:
             self.prepared = prepare_linear(algo, tensors, device)
 
+    @property
+    def fp8_input_scale(self) -> torch.Tensor | None:
+        """The static FP8 input_scale when this layer takes its input already quantized (from a norm or silu)."""
+        p = self.prepared
+        return p.input_scale if p is not None and p.algo == "FP8" and p.input_scale is not None else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.algo is None:
             return F.linear(x, self.weight, self.bias)
-        return quant_linear(x, self.prepared, self.bias)
+        return quant_linear(x, self.prepared, self.bias, out_dtype=self.dtype)
+
+
+class MergedLinear(nn.Module):
+    """Linears that share their input (q/k/v, gate/up), run as one GEMM; the output is their outputs side by side.
+
+    `load(parts)` merges the checkpoint tensors (lowbit.serve.fuse); where they cannot be merged (mixed formats,
+    unequal shared scales) each part keeps its own Linear and the outputs are concatenated.
+    """
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, part_names: list[str]):
+        super().__init__()
+        self.out_sizes, self.part_names = list(out_sizes), list(part_names)
+        self.merged = Linear(in_features, sum(out_sizes), bias)
+        self.parts: list[Linear] | None = None
+
+    def load(self, algos: list, tensors: list[dict], device, dtype) -> None:
+        merged = merge_linear_tensors(algos[0], tensors) if len(set(algos)) == 1 else None
+        if merged is not None:
+            self.merged.load(algos[0], merged, device, dtype)
+            return
+        self.parts = [Linear(self.merged.in_features, n, self.merged.has_bias) for n in self.out_sizes]
+        for part, algo, t in zip(self.parts, algos, tensors):
+            part.load(algo, t, device, dtype)
+
+    @property
+    def fp8_input_scale(self) -> torch.Tensor | None:
+        return self.merged.fp8_input_scale if self.parts is None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parts is None:
+            return self.merged(x)
+        return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -48,15 +88,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Returns normed(x + residual) and, when residual is given, the new residual x + residual."""
-        out, res = rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quant_scale: torch.Tensor | None = None):
+        """Returns normed(x + residual) and, when residual is given, the new residual x + residual.
+
+        quant_scale: the next layer's static FP8 input_scale; the normed output is then float8_e4m3fn (out / scale).
+        """
+        out, res = rms_norm(x, self.weight, self.eps, residual, quant_scale)
         return out if residual is None else (out, res)
 
 
 class SiluAndMul(nn.Module):
-    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(torch.cat([gate, up], dim=-1))
+    def forward(self, gate_up: torch.Tensor, quant_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """gate_up [T, 2 * inter] -> silu(gate) * up [T, inter] (float8_e4m3fn, out / quant_scale, if given)."""
+        return silu_and_mul(gate_up, quant_scale)
 
 
 def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
@@ -96,3 +140,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return rotary(q, k, positions, self.cos_sin_cache)
+
+    def qk(self, positions: torch.Tensor, qkv: torch.Tensor, num_q_heads: int, num_k_heads: int):
+        """qkv [T, (Hq + 2 Hk) * D], the fused projection's output -> rotated q [T, Hq*D], k [T, Hk*D]."""
+        return rotary_qk(qkv, num_q_heads, num_k_heads, positions, self.cos_sin_cache)

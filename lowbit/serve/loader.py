@@ -3,7 +3,7 @@ import torch
 
 from lowbit.checkpoint import Checkpoint
 from lowbit.serve.attention import Attention
-from lowbit.serve.layers import Linear
+from lowbit.serve.layers import Linear, MergedLinear
 from lowbit.serve.models import model_class
 
 LINEAR_SUFFIXES = ("weight", "bias", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
@@ -26,14 +26,17 @@ def load_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
             raise ValueError(f"{ckpt.path}: tensor {name} is missing")
         param.data = tensors[name].to(device, dtype)
     for name, module in model.named_modules():
-        if isinstance(module, Linear):
+        if isinstance(module, MergedLinear):
+            _load_merged(ckpt, tensors, name, module, device, dtype)
+        elif isinstance(module, Linear) and not name.endswith(".merged"):  # a merged one is its parent's
             _load_linear(ckpt, tensors, name, module, device, dtype)
         elif isinstance(module, Attention):
             _load_kv_scales(tensors, name.rsplit(".", 1)[0], module, device)
     return model.eval()
 
 
-def _load_linear(ckpt, tensors, name, module: Linear, device, dtype) -> None:
+def _linear_tensors(ckpt, tensors, name) -> tuple[str | None, dict]:
+    """(quant_algo, {suffix: tensor}) of the checkpoint linear `name`."""
     found = {s: tensors[f"{name}.{s}"] for s in LINEAR_SUFFIXES if f"{name}.{s}" in tensors}
     if name == "lm_head" and not found and ckpt.config.get("tie_word_embeddings"):
         found = {"weight": tensors["model.embed_tokens.weight"]}
@@ -42,7 +45,20 @@ def _load_linear(ckpt, tensors, name, module: Linear, device, dtype) -> None:
     algo = ckpt.layer_algo(name)
     if algo is None and found["weight"].dtype not in DTYPES.values():
         raise ValueError(f"{ckpt.path}: {name}.weight is {found['weight'].dtype} but the layer is not quantized")
-    module.load(algo, found, device, dtype)
+    return algo, found
+
+
+def _load_linear(ckpt, tensors, name, module: Linear, device, dtype) -> None:
+    module.load(*_linear_tensors(ckpt, tensors, name), device, dtype)
+
+
+def _load_merged(ckpt, tensors, name, module: MergedLinear, device, dtype) -> None:
+    """The HF parts of a merged linear (self_attn.q_proj, ... for self_attn.qkv_proj), read and merged on the device."""
+    parent = name.rsplit(".", 1)[0]
+    parts = [_linear_tensors(ckpt, tensors, f"{parent}.{part}") for part in module.part_names]
+    algos = [algo for algo, _ in parts]
+    found = [{s: t.to(device) for s, t in part.items()} for _, part in parts]
+    module.load(algos, found, device, dtype)
 
 
 def _load_kv_scales(tensors, self_attn: str, module: Attention, device) -> None:

@@ -1,14 +1,16 @@
 """Llama family (Llama 2/3, SmolLM2, Mistral-style configs) on paged attention; Qwen builds on these blocks.
 
-Module names follow the HF checkpoints (model.layers.N.self_attn.q_proj, ...) so weights load by name.
-Activations are flattened: hidden [T, hidden_size] for the T new tokens of all sequences in the step.
+Module names follow the HF checkpoints (model.layers.N.input_layernorm, ...) so weights load by name; q/k/v and
+gate/up run as merged linears (self_attn.qkv_proj, mlp.gate_up_proj) loaded from their HF parts.
+Activations are flattened: hidden [T, hidden_size] for the T new tokens of all sequences in the step. Where the
+next linear is static FP8, the norm (or silu) before it writes its output already quantized to float8_e4m3fn.
 """
 import torch
 from torch import nn
 
 from lowbit.serve.attention import Attention
 from lowbit.serve.context import StepContext
-from lowbit.serve.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from lowbit.serve.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
 
 
 class LlamaAttention(nn.Module):
@@ -20,9 +22,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.get("head_dim") or hidden // self.num_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv_bias = qkv_bias or config.get("attention_bias", False)
-        self.q_proj = Linear(hidden, q_size, qkv_bias)
-        self.k_proj = Linear(hidden, kv_size, qkv_bias)
-        self.v_proj = Linear(hidden, kv_size, qkv_bias)
+        self.sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = MergedLinear(hidden, self.sizes, qkv_bias, ["q_proj", "k_proj", "v_proj"])
         self.o_proj = Linear(q_size, hidden, config.get("attention_bias", False))
         self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"]) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"]) if qk_norm else None
@@ -30,12 +31,15 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split(self.sizes, dim=-1)
         if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
             t = hidden.shape[0]
             q = self.q_norm(q.view(t, -1, self.head_dim)).view(t, -1)
             k = self.k_norm(k.view(t, -1, self.head_dim)).view(t, -1)
-        q, k = self.rotary[0](ctx.positions, q, k)
+            q, k = self.rotary[0](ctx.positions, q, k)
+        else:  # q and k straight from the qkv rows, one launch
+            q, k = self.rotary[0].qk(ctx.positions, qkv, self.num_heads, self.num_kv_heads)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
@@ -44,13 +48,12 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hidden, inter = config["hidden_size"], config["intermediate_size"]
         bias = config.get("mlp_bias", False)
-        self.gate_proj = Linear(hidden, inter, bias)
-        self.up_proj = Linear(hidden, inter, bias)
+        self.gate_up_proj = MergedLinear(hidden, [inter, inter], bias, ["gate_proj", "up_proj"])
         self.down_proj = Linear(inter, hidden, bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x), self.down_proj.fp8_input_scale))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -62,12 +65,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
 
     def forward(self, hidden, residual, ctx: StepContext):
+        qkv_scale = self.self_attn.qkv_proj.fp8_input_scale
         if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+            hidden, residual = self.input_layernorm(hidden, quant_scale=qkv_scale), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, qkv_scale)
         hidden = self.self_attn(hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, self.mlp.gate_up_proj.fp8_input_scale)
         return self.mlp(hidden), residual
 
 
