@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from lowbit.kernels import linear, prepare_linear, rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref
 from lowbit.kernels import scaled_gemm as sg
-from lowbit.kernels import w4a16
+from lowbit.kernels import w4_gemv, w4a16
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out): qkv, o, gate_up, down
 MS = [1, 16, 64, 256, 4096]
@@ -283,10 +283,13 @@ def bench_gemms(shapes, ms, variants, dev, reps, w4_best=None):
         for m in ms:
             for v in variants:
                 if applicable(v, m):
-                    cfg = (w4_best or {}).get((v, k, n, m))
+                    # decode rows time what w4a16_gemm dispatches to (the GEMV), not a swept tensor-core config
+                    gemv = v.startswith("w4_") and m <= w4_gemv.GEMV_MAX_M
+                    cfg = None if gemv else (w4_best or {}).get((v, k, n, m))
                     rows.append(guarded(bench_one, v, k, n, m, dev, reps, cfg))
                     if v.startswith("w4_"):
-                        rows[-1]["config"] = cfg or w4a16.choose_config(m, n, k, v[3:])
+                        rows[-1]["config"] = ("gemv", w4_gemv.choose_gemv_config(m, n, k, v[3:])) if gemv else \
+                            cfg or w4a16.choose_config(m, n, k, v[3:])
                     print(f"{v} {m}x{k}->{n}: {rows[-1]['us']:.1f} us {rows[-1].get('config', '')}", flush=True)
     return rows
 

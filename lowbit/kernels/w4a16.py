@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.checkpoint.formats import NVFP4_BLOCK, nvfp4_dequantize, unpack_e2m1, unpack_int4_rows
+from lowbit.kernels import w4_gemv
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton
 
 PACK_K = 128
@@ -270,11 +271,14 @@ def choose_config(M: int, N: int, KP: int, fmt: str = "int4"):
 
 
 def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
-    """x [M, K] bf16/fp16 -> [M, N] in x's dtype."""
+    """x [M, K] bf16/fp16 -> [M, N] in x's dtype. Decode (M <= w4_gemv.GEMV_MAX_M) runs the CUDA-core GEMV,
+    larger M (or an explicit tensor-core `config`) the tensor-core kernel below."""
     if not use_triton(x):
         return w4a16_gemm_ref(x, w, bias)
     x = x.contiguous()
     M, K = x.shape
+    if config is None and M <= w4_gemv.GEMV_MAX_M:
+        return w4_gemv.w4_gemv(x, w, bias)
     N, KP = w.out_features, w.qweight.shape[1] * 8
     block_m, block_n, split, warps, stages = config or choose_config(M, N, KP, w.fmt)
     tiles = KP // PACK_K
