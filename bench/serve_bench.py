@@ -162,14 +162,40 @@ def weight_bytes(engine) -> int:
 
 
 # ---- correctness: kernels (+ graphs) vs the torch reference path on the same engine and weights
+class Fp32KvAttention(attn_mod.TorchAttentionBackend):
+    """The torch attention with FP8 K/V dequantized to fp32 (as the kernel scales scores and outputs in fp32), not
+    rounded to bf16 first as the checkpoint reader's fake-quantized KV cache is."""
+
+    @staticmethod
+    def attend(q, kv_cache, ctx, scale, k_scale, v_scale):
+        if kv_cache.dtype != torch.float8_e4m3fn:
+            return attn_mod.TorchAttentionBackend.attend(q, kv_cache, ctx, scale, k_scale, v_scale)
+        return attn_mod.TorchAttentionBackend.attend(q.float(), kv_cache, ctx, scale, k_scale, v_scale).to(q.dtype)
+
+
+def fp8_linear_fp32(x, p, bias, out_dtype):
+    """Static FP8 as the kernels compute it: FP8 codes of x times the scales, fp32 math, one rounding at the end
+    (linear_ref rounds the dequantized activation to bf16 first, as modelopt's fake quantization does)."""
+    from lowbit.kernels.norm import quantize_fp8_ref
+
+    codes = x if x.dtype == torch.float8_e4m3fn else quantize_fp8_ref(x, p.input_scale)
+    y = (codes.float() * p.input_scale) @ p.ref_weight().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or (torch.bfloat16 if x.dtype == torch.float8_e4m3fn else x.dtype))
+
+
 @contextmanager
 def reference_path(engine):
-    """Every op on its torch reference (NVFP4 as the weight-only reference, which is what Hopper serves)."""
+    """Every op on its torch reference in fp32 math (NVFP4 as the weight-only reference, which is what Hopper serves;
+    static FP8 linears and FP8 KV attention as fp32 math on the FP8 codes, which is what the kernels compute)."""
     from lowbit.kernels import linear_ref, rms_norm_ref, rotary_qk_ref, rotary_ref, silu_and_mul_ref
 
     weight_only = {}
 
     def ref_linear(x, p, bias=None, out_dtype=None):
+        if p.algo == "FP8" and p.input_scale is not None:
+            return fp8_linear_fp32(x, p, bias, out_dtype)
         if p.algo == "NVFP4":
             from dataclasses import replace
             p = weight_only.setdefault(id(p), replace(p, algo="W4A16_NVFP4", input_scale=None))
@@ -179,7 +205,7 @@ def reference_path(engine):
     backend, graphs = attn_mod._backend, engine.runner.graphs
     layers_mod.quant_linear, layers_mod.rms_norm = ref_linear, rms_norm_ref
     layers_mod.rotary, layers_mod.rotary_qk, layers_mod.silu_and_mul = rotary_ref, rotary_qk_ref, silu_and_mul_ref
-    attn_mod.set_attention_backend(attn_mod.TorchAttentionBackend())
+    attn_mod.set_attention_backend(Fp32KvAttention())
     engine.runner.graphs = None
     try:
         yield

@@ -52,8 +52,10 @@ def op_errors(bench, args, fmt) -> dict:
     def lin(x, p, bias=None, out_dtype=None):
         y = linear(x, p, bias, out_dtype)
         q = p if p.algo != "NVFP4" else _weight_only(p)
+        fp32_fp8 = p.algo == "FP8" and p.input_scale is not None
+        ref = bench.fp8_linear_fp32(x, p, bias, out_dtype) if fp32_fp8 else linear_ref(x, q, bias, out_dtype)
         rec.add(f"linear {p.algo} {p.in_features}->{p.out_features} M{'1' if x.numel() == x.shape[-1] else '>1'}",
-                y, linear_ref(x, q, bias, out_dtype))
+                y, ref)
         return y
 
     def norm(x, w, eps, residual=None, quant_scale=None):
@@ -91,7 +93,7 @@ def op_errors(bench, args, fmt) -> dict:
         @staticmethod
         def attend(q, kv_cache, ctx, scale, k_scale, v_scale):
             out = TritonAttentionBackend.attend(q, kv_cache, ctx, scale, k_scale, v_scale)
-            ref = attn_mod.TorchAttentionBackend.attend(q, kv_cache, ctx, scale, k_scale, v_scale)
+            ref = bench.Fp32KvAttention.attend(q, kv_cache, ctx, scale, k_scale, v_scale)
             rec.add("attend decode" if ctx.is_decode else "attend prefill", out, ref)
             return out
 

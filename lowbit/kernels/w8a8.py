@@ -17,12 +17,31 @@ def scaled_mm_applies(q: torch.Tensor, w: torch.Tensor) -> bool:
             and q.shape[1] % 16 == 0 and w.shape[0] % 16 == 0)
 
 
+# Static FP8 with per-row weight scales (merged q/k/v, gate/up): up to this M, the per-tensor GEMM into fp32 and then
+# the column scales beats cuBLAS's row-wise kernel (H200, 2026-11-30: qkv M=1 12.8 vs 19.1 us, gate_up 33.9 vs 45.5).
+PER_TENSOR_THEN_SCALE_MAX_M = 32
+_ONES: dict = {}
+
+
+def _per_tensor_then_column_scale(q, w, scale_a, scale_b, bias, out_dtype):
+    if q.device not in _ONES:
+        _ONES[q.device] = torch.ones((), device=q.device)
+    one = _ONES[q.device]
+    y = torch._scaled_mm(q, w.t(), scale_a=scale_a.float().reshape(()), scale_b=one, out_dtype=torch.float32)
+    y.mul_(scale_b.float().reshape(1, -1))
+    if bias is not None:
+        y.add_(bias.float())
+    return y.to(out_dtype)
+
+
 def scaled_mm(q, w, scale_a, scale_b, bias, out_dtype):
     """q [M, K] fp8, w [N, K] fp8; scale_a [] or [M, 1]; scale_b [] or [N]."""
     if scale_a.numel() == 1 and scale_b.numel() == 1:
         return torch._scaled_mm(q, w.t(), scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()),
                                 bias=bias.to(out_dtype) if bias is not None else None, out_dtype=out_dtype)
     m, n = q.shape[0], w.shape[0]
+    if scale_a.numel() == 1 and m <= PER_TENSOR_THEN_SCALE_MAX_M:
+        return _per_tensor_then_column_scale(q, w, scale_a, scale_b, bias, out_dtype)
     sa = scale_a.float().expand(m, 1).contiguous()
     sb = scale_b.float().reshape(1, -1).expand(1, n).contiguous()
     y = torch._scaled_mm(q, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)  # row-wise needs bf16 out
