@@ -186,15 +186,17 @@ def fp8_linear_fp32(x, p, bias, out_dtype):
 
 
 @contextmanager
-def reference_path(engine):
+def reference_path(engine, reader_rounding: bool = False):
     """Every op on its torch reference in fp32 math (NVFP4 as the weight-only reference, which is what Hopper serves;
-    static FP8 linears and FP8 KV attention as fp32 math on the FP8 codes, which is what the kernels compute)."""
+    static FP8 linears and FP8 KV attention as fp32 math on the FP8 codes, which is what the kernels compute).
+    reader_rounding: FP8 as the checkpoint reader computes it instead (dequantized activations and K/V rounded to
+    bf16 first, as modelopt's fake quantization does)."""
     from lowbit.kernels import linear_ref, rms_norm_ref, rotary_qk_ref, rotary_ref, silu_and_mul_ref
 
     weight_only = {}
 
     def ref_linear(x, p, bias=None, out_dtype=None):
-        if p.algo == "FP8" and p.input_scale is not None:
+        if p.algo == "FP8" and p.input_scale is not None and not reader_rounding:
             return fp8_linear_fp32(x, p, bias, out_dtype)
         if p.algo == "NVFP4":
             from dataclasses import replace
@@ -205,7 +207,7 @@ def reference_path(engine):
     backend, graphs = attn_mod._backend, engine.runner.graphs
     layers_mod.quant_linear, layers_mod.rms_norm = ref_linear, rms_norm_ref
     layers_mod.rotary, layers_mod.rotary_qk, layers_mod.silu_and_mul = rotary_ref, rotary_qk_ref, silu_and_mul_ref
-    attn_mod.set_attention_backend(Fp32KvAttention())
+    attn_mod.set_attention_backend(attn_mod.TorchAttentionBackend() if reader_rounding else Fp32KvAttention())
     engine.runner.graphs = None
     try:
         yield
@@ -251,6 +253,28 @@ def check_format(args, fmt) -> dict:
     tok_k, logits_k = greedy_with_logits(engine, prompts, osl)
     with reference_path(engine):
         tok_r, logits_r = greedy_with_logits(engine, prompts, osl)
+    res = compare_paths(fmt, args, lens, osl, tok_k, logits_k, tok_r, logits_r)
+    res["graph_used"] = engine.runner.graphs is not None
+    tol = GPU_TOL
+    if fmt == "fp8":
+        # Static FP8 activation quantization turns ulp-level differences into flipped FP8 codes that compound over
+        # layers, so the bar is the spread between two rounding conventions of the same reference: the kernels may
+        # differ from the fp32 reference by at most 1.5x what the checkpoint reader's bf16 roundings do.
+        with reference_path(engine, reader_rounding=True):
+            tok_q, logits_q = greedy_with_logits(engine, prompts, osl)
+        spread = compare_paths(fmt, args, lens, osl, tok_q, logits_q, tok_r, logits_r)["logits_rel_err_max"]
+        res["reader_vs_fp32_reference_rel_err_max"] = spread
+        tol = max(GPU_TOL, 1.5 * spread)
+    res["tolerance"] = tol
+    # same tokens, or a flip only between near-tied logits (random weights give a 128k-way near tie often)
+    res["pass"] = res["logits_rel_err_max"] < tol and (res["same"] or res["argmax_gap_max"] <= TIE_TOL)
+    del engine
+    free()
+    return res
+
+
+def compare_paths(fmt, args, lens, osl, tok_k, logits_k, tok_r, logits_r) -> dict:
+    """Logits of two runs step by step, up to the first step where a greedy token differs (inputs still equal)."""
     first_diff = next((s for s in range(osl) if any(a[s] != b[s] for a, b in zip(tok_k, tok_r))), osl)
     compared = logits_k[:first_diff + 1]  # steps whose inputs are still the same on both paths
     rel = [((a - b).norm() / b.norm()).item() for a, b in zip(compared, logits_r)]
@@ -262,14 +286,9 @@ def check_format(args, fmt) -> dict:
     same = sum(a == b for a, b in zip(tok_k, tok_r))
     res = {"format": fmt, "layers": args.check_layers, "prompt_lens": lens, "osl": osl,
            "logits_rel_err_max": max(rel), "logits_abs_err_max": max(absd), "logits_std": logits_r[0].std().item(),
-           "top1_agreement_min": min(top1), "argmax_gap_max": max(gap), "sequences_same_tokens": f"{same}/{len(prompts)}",
+           "top1_agreement_min": min(top1), "argmax_gap_max": max(gap), "sequences_same_tokens": f"{same}/{len(tok_r)}",
            "rel_err_per_step": [round(r, 5) for r in rel],
-           "first_divergent_step": first_diff if first_diff < osl else None,
-           "graph_used": engine.runner.graphs is not None}
-    # same tokens, or a flip only between near-tied logits (random weights give a 128k-way near tie often)
-    res["pass"] = res["logits_rel_err_max"] < GPU_TOL and (same == len(prompts) or max(gap) <= TIE_TOL)
-    del engine
-    free()
+           "first_divergent_step": first_diff if first_diff < osl else None, "same": same == len(tok_r)}
     return res
 
 
