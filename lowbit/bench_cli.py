@@ -13,6 +13,7 @@ BENCHES = {
     "accuracy": "accuracy.py",  # every recipe on the embedded model: time, size, held-out perplexity (CPU)
     "serve": "serve_bench.py",  # engine throughput and latency on dummy Llama-3.1-8B weights vs HF generate (GPU)
     "serve-load": "serve_load.py",  # concurrent streaming clients against `lowbit serve` (loopback)
+    "engine-overhead": "engine_overhead.py",  # the engine's host work per step, model forward stubbed (CPU)
 }
 
 

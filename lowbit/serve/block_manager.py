@@ -92,7 +92,11 @@ class BlockManager:
         self.num_hit_tokens += seq.num_cached_tokens
         self.append(seq, num_new_tokens)
 
-    # ---- growth while running
+    # ---- growth while running (a held block_table only grows by append; the runner relies on it)
+    def has_room(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """The sequence's blocks already hold its next num_new_tokens tokens."""
+        return seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size
+
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         needed = self._blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         return needed <= self.num_free_blocks

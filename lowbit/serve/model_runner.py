@@ -1,4 +1,7 @@
 """Runs one scheduled step: flattens the batch into the model's inputs and the step context, returns logits."""
+from itertools import chain
+
+import numpy as np
 import torch
 
 from lowbit.checkpoint import Checkpoint
@@ -8,6 +11,8 @@ from lowbit.serve.context import StepContext
 from lowbit.serve.kv_pool import gpu_blocks_that_fit, warm_up_peak
 from lowbit.serve.loader import load_model, model_dtype
 from lowbit.serve.scheduler import Batch
+
+_TORCH = {np.int64: torch.int64, np.int32: torch.int32}
 
 
 class ModelRunner:
@@ -27,6 +32,7 @@ class ModelRunner:
         shape = (2, self.num_blocks, config.block_size, a.num_kv_heads, a.head_dim)
         for layer in self.attn_layers:
             layer.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.block_tables = BlockTables(config.max_batch_size, 64)
         self.graphs = None
         if gpu_attention and config.cuda_graphs:
             self.graphs = self._capture_decode_graphs(ckpt.config)
@@ -58,37 +64,92 @@ class ModelRunner:
 
     def prepare(self, batch: Batch, logit_rows: list[list[int]]) -> tuple[torch.Tensor, StepContext]:
         """logit_rows[i]: offsets within seq i's new tokens whose logits are wanted."""
-        bs = self.config.block_size
-        input_ids, positions, slots, qsl, ctx_lens, logits_indices = [], [], [], [0], [], []
-        for seq, n, rows in zip(batch.seqs, batch.num_new_tokens, logit_rows):
-            start = seq.num_computed_tokens
-            logits_indices += [qsl[-1] + r for r in rows]
-            input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            qsl.append(qsl[-1] + n)
-            ctx_lens.append(start + n)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        seqs, counts, bs = batch.seqs, batch.num_new_tokens, self.config.block_size
+        tables = self.block_tables.gather(seqs)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
+        qsl = np.zeros(len(seqs) + 1, np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        if batch.is_decode:
+            input_ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, len(seqs))
+            positions, rows_of_tokens = starts, np.arange(len(seqs))
+        else:
+            input_ids = np.fromiter(chain.from_iterable(s.token_ids[a:a + n] for s, a, n in
+                                                        zip(seqs, starts.tolist(), counts)), np.int64, int(qsl[-1]))
+            rows_of_tokens = np.repeat(np.arange(len(seqs)), counts)
+            positions = np.arange(qsl[-1]) + np.repeat(starts - qsl[:-1], counts)
+        slots = tables[rows_of_tokens, positions // bs].astype(np.int64) * bs + positions % bs
+        ctx_lens = starts + counts
+        ctx_lens_cpu = ctx_lens.tolist()
+        if all(r == [0] for r in logit_rows):
+            logits_indices = qsl[:-1]
+        else:
+            logits_indices = np.array([q + r for q, rows in zip(qsl.tolist(), logit_rows) for r in rows], np.int64)
+        ids, positions, slots, logits_indices = self._upload([input_ids, positions, slots, logits_indices], np.int64)
+        qsl, ctx_lens, tables = self._upload([qsl, ctx_lens, tables], np.int32)
+        ctx = StepContext(positions=positions, slot_mapping=slots, query_start_loc=qsl, context_lens=ctx_lens,
+                          block_tables=tables, logits_indices=logits_indices, is_decode=batch.is_decode,
+                          query_lens_cpu=list(counts), context_lens_cpu=ctx_lens_cpu)
+        return ids, ctx
 
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
-
-        ctx = StepContext(positions=t(positions, torch.int64), slot_mapping=t(slots, torch.int64),
-                          query_start_loc=t(qsl, torch.int32), context_lens=t(ctx_lens, torch.int32),
-                          block_tables=t(tables, torch.int32), logits_indices=t(logits_indices, torch.int64),
-                          is_decode=batch.is_decode, query_lens_cpu=list(batch.num_new_tokens),
-                          context_lens_cpu=ctx_lens)
-        return t(input_ids, torch.int64), ctx
+    def _upload(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
+        """One host-to-device copy for several arrays (through pinned memory on CUDA); device views, same shapes."""
+        sizes = [a.size for a in arrays]
+        host = torch.empty(sum(sizes), dtype=_TORCH[dtype], pin_memory=self.device.type == "cuda")
+        np.concatenate([a.ravel() for a in arrays], out=host.numpy(), casting="unsafe")
+        flat = host.to(self.device, non_blocking=True)  # the pinned block is not reused before the copy is done
+        return [t.view(a.shape) for t, a in zip(flat.split(sizes), arrays)]
 
     @torch.inference_mode()
     def run(self, batch: Batch, logit_rows: list[list[int]]) -> torch.Tensor:
         """Computes the batch's new tokens (K/V into the cache); returns float32 logits [sum(len(rows)), V]."""
         input_ids, ctx = self.prepare(batch, logit_rows)
-        if self.graphs is not None and self.graphs.can_run(ctx) and all(r == [0] for r in logit_rows):
+        if self.graphs is not None and self.graphs.can_run(ctx) and len(ctx.logits_indices) == len(input_ids):
             return self.graphs.run(input_ids, ctx)
         hidden = self.model(input_ids, ctx)
-        return self.model.compute_logits(hidden[ctx.logits_indices])
+        if len(ctx.logits_indices) < len(input_ids):  # else every row, in order
+            hidden = hidden[ctx.logits_indices]
+        return self.model.compute_logits(hidden)
+
+
+class BlockTables:
+    """The running sequences' block tables as one padded int32 array kept across steps: a row per sequence of the
+    last step, into which a step writes only the blocks a sequence gained. Relies on BlockManager's contract that a
+    held block_table only grows by append (a new allocation is a new list)."""
+
+    def __init__(self, rows: int, cols: int):
+        self.array = np.zeros((rows, cols), np.int32)
+        self.free = list(range(rows - 1, -1, -1))  # rows held by no sequence, popped from the end
+        self.entries: dict[int, list] = {}  # seq_id -> [row, the block_table list written from, blocks written]
+
+    def gather(self, seqs: list) -> np.ndarray:
+        """[len(seqs), longest table] int32, padded with 0. Sequences absent from this step give up their rows."""
+        old, self.entries = self.entries, {}
+        rows, width = [], 1
+        for seq in seqs:
+            entry = self.entries[seq.seq_id] = old.pop(seq.seq_id, None) or [self._free_row(), None, 0]
+            row, table = entry[0], seq.block_table
+            if entry[1] is not table:  # allocated anew (first step, or after a preemption)
+                entry[1], entry[2] = table, 0
+                self.array[row] = 0
+            if entry[2] < len(table):
+                self._write(row, table, entry[2])
+                entry[2] = len(table)
+            rows.append(row)
+            width = max(width, len(table))
+        self.free += [entry[0] for entry in old.values()]
+        return self.array[rows, :width]
+
+    def _write(self, row: int, table: list[int], start: int) -> None:
+        if len(table) > self.array.shape[1]:
+            self.array = np.pad(self.array, ((0, 0), (0, len(table))))
+        self.array[row, start:len(table)] = table[start:]
+
+    def _free_row(self) -> int:
+        if not self.free:
+            n = len(self.array)
+            self.array = np.pad(self.array, ((0, max(n, 1)), (0, 0)))
+            self.free = list(range(len(self.array) - 1, n - 1, -1))
+        return self.free.pop()
 
 
 def _use_gpu_attention() -> bool:

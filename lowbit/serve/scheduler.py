@@ -5,7 +5,8 @@ waiting ones while the batch and the budget allow. When blocks run out, the youn
 preempted: its blocks are freed and it goes back to the front of the queue to be recomputed later.
 """
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import attrgetter
 
 from lowbit.serve.block_manager import BlockManager
 from lowbit.serve.sequence import Sequence, SequenceStatus
@@ -13,18 +14,18 @@ from lowbit.serve.sequence import Sequence, SequenceStatus
 
 @dataclass
 class Batch:
-    """One step's plan: seqs[i] computes tokens [num_computed_tokens, num_computed_tokens + num_new_tokens[i])."""
+    """One step's plan: seqs[i] computes tokens [num_computed_tokens, num_computed_tokens + num_new_tokens[i]).
+    is_decode: every sequence computes exactly its newest token (the CUDA-graph shape); set when the plan is made."""
     seqs: list[Sequence]
     num_new_tokens: list[int]
+    is_decode: bool = field(init=False)
+
+    def __post_init__(self):
+        self.is_decode = self.num_new_tokens.count(1) == len(self.seqs) and not any(s.in_prefill for s in self.seqs)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
-
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence computes exactly its newest token (the CUDA-graph shape)."""
-        return all(n == 1 == s.num_tokens - s.num_computed_tokens for s, n in zip(self.seqs, self.num_new_tokens))
 
 
 class Scheduler:
@@ -68,23 +69,24 @@ class Scheduler:
         """Appends the running sequences that fit, decodes before prefill chunks (so a long prompt never stalls
         the others' next token), each group oldest first; returns whether any sequence was preempted."""
         preempted = False
-        for seq in sorted(self.running, key=lambda s: s.in_prefill):
+        for seq in sorted(self.running, key=attrgetter("in_prefill")):
             if budget == 0:
                 break
-            if seq.status != SequenceStatus.RUNNING:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.can_append(seq, n):
-                victim = self.running[-1]
-                if victim in seqs:  # scheduled earlier in this step: take its tokens back
-                    i = seqs.index(victim)
-                    budget += counts.pop(i)
-                    seqs.pop(i)
-                self.preempt(victim)
-                preempted = True
-                if victim is seq:
-                    return preempted
-            self.block_manager.append(seq, n)
+            if not self.block_manager.has_room(seq, n):  # a decode needs a new block once every block_size steps
+                while not self.block_manager.can_append(seq, n):
+                    victim = self.running[-1]
+                    if victim in seqs:  # scheduled earlier in this step: take its tokens back
+                        i = seqs.index(victim)
+                        budget += counts.pop(i)
+                        seqs.pop(i)
+                    self.preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        return preempted
+                self.block_manager.append(seq, n)
             seqs.append(seq)
             counts.append(n)
             budget -= n
@@ -100,15 +102,17 @@ class Scheduler:
 
     def update(self, batch: Batch) -> None:
         """After the step ran: the planned tokens are computed."""
+        bs = self.block_manager.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
+            if seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * bs:  # a block became full
+                self.block_manager.commit(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Stop a sequence (finished or aborted), wherever it is, and free its blocks."""
-        if seq.status == SequenceStatus.RUNNING:
+        if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED

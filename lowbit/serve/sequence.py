@@ -40,7 +40,7 @@ class Sequence:
 
     @property
     def num_completion_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def completion_token_ids(self) -> list[int]:
@@ -48,12 +48,12 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
 
     @property
     def in_prefill(self) -> bool:
         """More than the newest token is still uncomputed (prompt, or the whole history after a preemption)."""
-        return self.num_tokens - self.num_computed_tokens > 1
+        return len(self.token_ids) - self.num_computed_tokens > 1
 
     @property
     def wants_prompt_logprobs(self) -> bool:
