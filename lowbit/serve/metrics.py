@@ -1,6 +1,8 @@
 """Serving metrics in the Prometheus text format (no client library needed)."""
 import time
+from bisect import bisect_left
 from collections import deque
+from itertools import accumulate
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -8,16 +10,19 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 class Histogram:
     def __init__(self, buckets=LATENCY_BUCKETS):
         self.buckets = buckets
-        self.counts = [0] * len(buckets)
+        self.per_bucket = [0] * (len(buckets) + 1)  # observations in (bucket i-1, bucket i]; the last: above all
         self.count = 0
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
         self.count += 1
         self.sum += value
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
+        self.per_bucket[bisect_left(self.buckets, value)] += 1
+
+    @property
+    def counts(self) -> list[int]:
+        """Prometheus' cumulative bucket counts: observations <= each bound."""
+        return list(accumulate(self.per_bucket[:-1]))
 
     def render(self, name: str, help_text: str) -> list[str]:
         lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
