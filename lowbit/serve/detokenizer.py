@@ -7,18 +7,25 @@ string, so that a stop string never reaches a client.
 CONTEXT_TOKENS = 6
 
 
+def decoder(tokenizer):
+    """ids -> text as tokenizer.decode(ids, skip_special_tokens=True) gives it. A fast tokenizer without space
+    clean-up is called through its Rust backend directly: the same text, without ~4 us of Python per call."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if getattr(tokenizer, "is_fast", False) and backend is not None and not tokenizer.clean_up_tokenization_spaces:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class Detokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str], decode=None):
+        """decode: `decoder(tokenizer)`, built once per tokenizer and shared (default: built here)."""
+        self._decode = decode or decoder(tokenizer)
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.num_emitted = 0  # characters of self.text already returned by take()
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_id: int) -> bool:
         """Appends a token; returns True when the text now contains a stop string (it is cut off there)."""

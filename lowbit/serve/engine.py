@@ -12,7 +12,7 @@ import torch
 from lowbit import checkpoint, models
 from lowbit.serve.block_manager import BlockManager
 from lowbit.serve.config import EngineConfig
-from lowbit.serve.detokenizer import Detokenizer
+from lowbit.serve.detokenizer import Detokenizer, decoder
 from lowbit.serve.metrics import EngineMetrics
 from lowbit.serve.model_runner import ModelRunner
 from lowbit.serve.outputs import CompletionOutput, RequestOutput
@@ -56,6 +56,7 @@ class Engine:
         limits = [ckpt.config.get("max_position_embeddings", 4096), self.runner.num_blocks * self.config.block_size]
         self.max_model_len = min(limits + ([self.config.max_model_len] if self.config.max_model_len else []))
         self.eos_token_ids = _eos_token_ids(self.path, ckpt.config, self.tokenizer)
+        self.decode = decoder(self.tokenizer)  # ids -> text, shared by every request's Detokenizer
         self.sampler = Sampler()
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
@@ -82,7 +83,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seed.getrandbits(63)
         generator = torch.Generator(device="cpu").manual_seed(seed)
         seq = Sequence(ids, params, request_id)
-        self.requests[request_id] = Request(seq, text, Detokenizer(self.tokenizer, ids, params.stop), generator,
+        self.requests[request_id] = Request(seq, text, Detokenizer(self.tokenizer, ids, params.stop, self.decode), generator,
                                             max_tokens, ids)
         self.metrics.prompt_tokens += len(ids)
         self.scheduler.add(seq)
