@@ -31,7 +31,7 @@ class Request:
     seq: Sequence
     prompt: str | None
     detokenizer: Detokenizer
-    generator: torch.Generator
+    seed: int  # sampling noise comes from (seed, position): lowbit.serve.sampler
     max_tokens: int
     prompt_token_ids: list[int]  # shared by every RequestOutput of the request: never mutated
     arrival: float = field(default_factory=time.monotonic)
@@ -81,9 +81,8 @@ class Engine:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else self._seed.getrandbits(63)
-        generator = torch.Generator(device="cpu").manual_seed(seed)
         seq = Sequence(ids, params, request_id)
-        self.requests[request_id] = Request(seq, text, Detokenizer(self.tokenizer, ids, params.stop, self.decode), generator,
+        self.requests[request_id] = Request(seq, text, Detokenizer(self.tokenizer, ids, params.stop, self.decode), seed,
                                             max_tokens, ids)
         self.metrics.prompt_tokens += len(ids)
         self.scheduler.add(seq)
@@ -159,7 +158,8 @@ class Engine:
         if len(sampled) < logits.shape[0]:
             logits = logits[[r for _, r in sampled]]
         reqs = [self.requests[s.request_id] for s, _ in sampled]
-        tokens, logprobs = self.sampler(logits, [s.params for s, _ in sampled], [q.generator for q in reqs])
+        tokens, logprobs = self.sampler(logits, [s.params for s, _ in sampled], [q.seed for q in reqs],
+                                        [s.num_tokens for s, _ in sampled])
         now = time.monotonic()
         for (seq, _), request, token, lp in zip(sampled, reqs, tokens, logprobs):
             self._append(seq, request, token, lp, now)

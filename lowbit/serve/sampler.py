@@ -1,12 +1,16 @@
-"""Next-token choice per sequence: greedy, or temperature / top-k / top-p sampling with a per-request generator.
+"""Next-token choice for a batch: greedy, or temperature / top-k / top-p sampling, all rows at once on the logits'
+device. Sampling is a race (lowbit.kernels.sampling): token = argmax(probs / E) with Exp(1) noise E drawn from the
+request's seed and the token's position, so a seeded request gets the same tokens alone or in any batch.
 
 Logprobs are those of the model's raw distribution (before temperature and truncation), as OpenAI and vLLM report.
 """
 import torch
 
+from lowbit.kernels.sampling import exponential_noise
 from lowbit.serve.sampling_params import SamplingParams
 
 TopLogprobs = list[tuple[int, float]]
+_MASK64 = (1 << 64) - 1
 
 
 def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, n: int) -> list[tuple[float, TopLogprobs]]:
@@ -18,27 +22,48 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, n: int) -> lis
     return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-    x = logits / p.temperature
-    if 0 < p.top_k < x.shape[-1]:
-        kth = x.topk(p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, order = x.sort(descending=True)
+def step_seed(seed: int, position: int) -> int:
+    """A 63-bit seed for one (request seed, token position): splitmix64 of the pair."""
+    z = (seed + 0x9E3779B97F4A7C15 * (position + 1)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def truncate(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """x [R, V] scaled logits -> the same with everything outside each row's top-k, then top-p, set to -inf.
+    top-k keeps the k best ranks; top-p the smallest prefix (by rank) whose probability reaches p."""
+    v = x.shape[-1]
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    k = torch.tensor([k if 0 < k < v else v for k in top_k], device=x.device)
+    sorted_x = sorted_x.masked_fill(torch.arange(v, device=x.device)[None, :] >= k[:, None], float("-inf"))
+    if any(p < 1.0 for p in top_p):
         probs = sorted_x.softmax(-1)
-        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
-        x = x.scatter(0, order, sorted_x.masked_fill(drop, float("-inf")))
-    probs = x.softmax(-1).to(generator.device)  # the per-request generator lives on the CPU; logits may be on a GPU
-    return int(torch.multinomial(probs, 1, generator=generator))
+        p = torch.tensor(top_p, device=x.device, dtype=probs.dtype)
+        sorted_x = sorted_x.masked_fill(probs.cumsum(-1) - probs > p[:, None], float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]) -> torch.Tensor:
+    """logits [R, V] float32 of non-greedy rows, one 63-bit seed per row -> token ids [R] (on logits' device)."""
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
+    x = logits / temperature[:, None]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        x = truncate(x, [p.top_k for p in params], [p.top_p for p in params])
+    probs = x.softmax(-1)
+    return (probs / exponential_noise(seeds, logits.shape[-1], logits.device)).argmax(-1)
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]):
-        """logits [S, V] float32 -> (token ids [S] list, per row (logprob, top) or None when not requested)."""
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]):
+        """logits [S, V] float32; per row the request's seed and the position of the token being chosen
+        -> (token ids [S] list, per row (logprob, top) or None when not requested)."""
         tokens = logits.argmax(dim=-1)
-        for r, p in enumerate(params):
-            if not p.greedy:
-                tokens[r] = _sample_row(logits[r], p, generators[r])
+        rows = [r for r, p in enumerate(params) if not p.greedy]
+        if rows:
+            chosen = sample_rows(logits[rows], [params[r] for r in rows],
+                                 [step_seed(seeds[r], positions[r]) for r in rows])
+            tokens[rows] = chosen
         want = [r for r, p in enumerate(params) if p.logprobs is not None]
         logprobs: list = [None] * len(params)
         if want:

@@ -1,0 +1,75 @@
+"""Batched sampling: the race argmax(probs / Exp(1)) draws from the truncated, tempered distribution; seeds make it
+reproducible whatever the batch; the Triton noise kernel (CPU interpreter) draws Exp(1) as the reference does."""
+import math
+
+import pytest
+import torch
+
+from lowbit.kernels._triton import HAS_TRITON, interpreting
+from lowbit.kernels.sampling import exponential_noise_ref
+from lowbit.serve.sampler import Sampler, sample_rows, step_seed, truncate
+from lowbit.serve.sampling_params import SamplingParams
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
+ROWS = 20000  # one row per draw: frequencies within ~3 standard errors (<= 0.011) of the target
+
+
+def frequencies(params: SamplingParams, seed0: int = 0) -> torch.Tensor:
+    logits = LOGITS.expand(ROWS, -1).contiguous()
+    tokens = sample_rows(logits, [params] * ROWS, [step_seed(seed0 + i, 0) for i in range(ROWS)])
+    return torch.bincount(tokens, minlength=LOGITS.numel()).float() / ROWS
+
+
+def target(temperature, keep):
+    p = torch.zeros_like(LOGITS)
+    p[keep] = (LOGITS[keep] / temperature).softmax(-1)
+    return p
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_race_draws_from_the_tempered_distribution(temperature):
+    freq = frequencies(SamplingParams(temperature=temperature))
+    assert (freq - target(temperature, slice(None))).abs().max() < 0.012
+
+
+def test_top_k_and_top_p_truncate_then_renormalize():
+    assert (frequencies(SamplingParams(top_k=2)) - target(1.0, slice(0, 2))).abs().max() < 0.012
+    p = LOGITS.softmax(-1)  # 0.49, 0.30, 0.18, ...: top_p 0.7 keeps the first two (0.49 < 0.7 <= 0.79)
+    assert p[0] < 0.7 <= p[:2].sum()
+    assert (frequencies(SamplingParams(top_p=0.7)) - target(1.0, slice(0, 2))).abs().max() < 0.012
+    x = truncate(LOGITS.expand(2, -1), [3, 0], [1.0, 0.5])  # row 0: top 3; row 1: top_p 0.5 keeps 2 (0.49 < 0.5)
+    assert torch.isfinite(x).sum(1).tolist() == [3, 2]
+
+
+def test_seeded_rows_are_the_same_in_any_batch_and_greedy_rows_take_the_argmax():
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0), SamplingParams(top_p=0.9),
+              SamplingParams(temperature=0.7, top_k=50)]
+    tokens, _ = Sampler()(logits, params, seeds=[11, 12, 13, 14], positions=[5, 6, 7, 8])
+    assert tokens[1] == logits[1].argmax().item()
+    for r in (0, 2, 3):  # each row alone: same seed and position, same token
+        alone, _ = Sampler()(logits[r:r + 1], [params[r]], seeds=[11 + r], positions=[5 + r])
+        assert alone == [tokens[r]]
+    other, _ = Sampler()(logits, params, seeds=[11, 12, 13, 14], positions=[6, 7, 8, 9])
+    assert other != tokens  # the next position draws new noise
+
+
+def test_step_seeds_differ_and_fit_63_bits():
+    seeds = {step_seed(s, p) for s in range(50) for p in range(50)}
+    assert len(seeds) == 2500 and max(seeds) < 2**63
+
+
+def test_reference_noise_is_exponential():
+    e = exponential_noise_ref([1, 2], 50000, "cpu")
+    assert abs(e.mean().item() - 1) < 0.02 and abs((e > 1).float().mean().item() - math.exp(-1)) < 0.01
+
+
+@pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="needs the Triton interpreter")
+def test_triton_noise_is_exponential_and_seeded():
+    from lowbit.kernels.sampling import exponential_noise_triton
+
+    seeds = torch.tensor([3, 2**62 + 1, 3], dtype=torch.int64)
+    e = exponential_noise_triton(seeds, 20000)
+    assert torch.equal(e, exponential_noise_triton(seeds, 20000)) and torch.equal(e[0], e[2])
+    assert not torch.equal(e[0], e[1])
+    assert abs(e.mean().item() - 1) < 0.03 and abs((e > 1).float().mean().item() - math.exp(-1)) < 0.01
