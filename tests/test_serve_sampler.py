@@ -12,12 +12,13 @@ from lowbit.serve.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
 ROWS = 20000  # one row per draw: frequencies within ~3 standard errors (<= 0.011) of the target
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # cuda: the Triton noise kernel
 
 
-def frequencies(params: SamplingParams, seed0: int = 0) -> torch.Tensor:
-    logits = LOGITS.expand(ROWS, -1).contiguous()
-    tokens = sample_rows(logits, [params] * ROWS, [step_seed(seed0 + i, 0) for i in range(ROWS)])
-    return torch.bincount(tokens, minlength=LOGITS.numel()).float() / ROWS
+def frequencies(params: SamplingParams, device="cpu") -> torch.Tensor:
+    logits = LOGITS.expand(ROWS, -1).contiguous().to(device)
+    tokens = sample_rows(logits, [params] * ROWS, [step_seed(i, 0) for i in range(ROWS)])
+    return torch.bincount(tokens, minlength=LOGITS.numel()).float().cpu() / ROWS
 
 
 def target(temperature, keep):
@@ -26,23 +27,26 @@ def target(temperature, keep):
     return p
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
-def test_race_draws_from_the_tempered_distribution(temperature):
-    freq = frequencies(SamplingParams(temperature=temperature))
+def test_race_draws_from_the_tempered_distribution(temperature, device):
+    freq = frequencies(SamplingParams(temperature=temperature), device)
     assert (freq - target(temperature, slice(None))).abs().max() < 0.012
 
 
-def test_top_k_and_top_p_truncate_then_renormalize():
-    assert (frequencies(SamplingParams(top_k=2)) - target(1.0, slice(0, 2))).abs().max() < 0.012
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_and_top_p_truncate_then_renormalize(device):
+    assert (frequencies(SamplingParams(top_k=2), device) - target(1.0, slice(0, 2))).abs().max() < 0.012
     p = LOGITS.softmax(-1)  # 0.49, 0.30, 0.18, ...: top_p 0.7 keeps the first two (0.49 < 0.7 <= 0.79)
     assert p[0] < 0.7 <= p[:2].sum()
-    assert (frequencies(SamplingParams(top_p=0.7)) - target(1.0, slice(0, 2))).abs().max() < 0.012
+    assert (frequencies(SamplingParams(top_p=0.7), device) - target(1.0, slice(0, 2))).abs().max() < 0.012
     x = truncate(LOGITS.expand(2, -1), [3, 0], [1.0, 0.5])  # row 0: top 3; row 1: top_p 0.5 keeps 2 (0.49 < 0.5)
     assert torch.isfinite(x).sum(1).tolist() == [3, 2]
 
 
-def test_seeded_rows_are_the_same_in_any_batch_and_greedy_rows_take_the_argmax():
-    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_rows_are_the_same_in_any_batch_and_greedy_rows_take_the_argmax(device):
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)).to(device)
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0), SamplingParams(top_p=0.9),
               SamplingParams(temperature=0.7, top_k=50)]
     tokens, _ = Sampler()(logits, params, seeds=[11, 12, 13, 14], positions=[5, 6, 7, 8])
