@@ -37,10 +37,10 @@ def test_triton_attention_backend_matches_torch_backend_on_cpu(fmt):
     saved = attention._backend
     try:
         attention.set_attention_backend(TritonAttentionBackend())
-        tok_t, logits_t = bench.greedy_with_logits(engine, prompts, 6)
+        tok_t, logits_t, _ = bench.greedy_with_logits(engine, prompts, 6)
     finally:
         attention.set_attention_backend(saved)
-    tok_r, logits_r = bench.greedy_with_logits(engine, prompts, 6)
+    tok_r, logits_r, _ = bench.greedy_with_logits(engine, prompts, 6)
     assert tok_t == tok_r
     tol = 2e-2 if fmt == "fp8" else 1e-4  # the interpreter mis-rounds ~2 % of fp32->fp8 casts in the KV store
     for a, b in zip(logits_t, logits_r):

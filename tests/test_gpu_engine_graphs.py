@@ -76,9 +76,9 @@ def test_engine_decode_through_padded_graph_buffers_matches_eager():
     try:
         attention.set_attention_backend(TritonAttentionBackend())
         engine.runner.graphs = emulated(engine.runner.model, 4, 8, 512)
-        tok_g, logits_g = bench.greedy_with_logits(engine, prompts, 5)
+        tok_g, logits_g, _ = bench.greedy_with_logits(engine, prompts, 5)
         engine.runner.graphs = None
-        tok_e, logits_e = bench.greedy_with_logits(engine, prompts, 5)
+        tok_e, logits_e, _ = bench.greedy_with_logits(engine, prompts, 5)
     finally:
         attention.set_attention_backend(saved)
     assert tok_g == tok_e
