@@ -125,7 +125,7 @@ def measure(args, batch: int, isl: int, osl: int) -> dict:
     timer = Timer(engine, CLOCKS[args.clock])
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
+        engine.add_request(f"r{i}", p, params, stream=not args.offline)
     tokens = 0
     while engine.has_unfinished():
         tokens += timer.step()
@@ -169,6 +169,8 @@ def parse(argv):
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--sample-vocab", type=int, default=256, help="columns of the stub's logits (see above)")
     p.add_argument("--real-tokenizer", action="store_true")
+    p.add_argument("--offline", action="store_true",
+                   help="requests as LLM.generate adds them: one output each, text decoded once at the end")
     p.add_argument("--no-detok-metrics", action="store_true",
                    help="stub Detokenizer.add/take and Histogram.observe out, to see what they cost per step")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",

@@ -33,3 +33,21 @@ def test_streamed_text_equals_one_shot_decode_on_both_paths(embedded_model_dir):
         assert stream(tokenizer, prompt, completion, [], fast) == stream(tokenizer, prompt, completion, [], slow)
     streamed, final = stream(tokenizer, [1, 2], ids, ["café"], fast)
     assert final == text[:text.index("café")] and streamed == final
+
+
+def test_decode_once_gives_the_incremental_text(embedded_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
+    prompt = tokenizer.encode("Once upon a time")
+    for text in ("Paged attention keeps the KV cache in blocks; café naïve 日本語 emoji 🙂 end.", " a b\n\nc  d"):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        once = Detokenizer(tokenizer, prompt, [], once=True)
+        for token in ids:
+            assert once.add(token) is False and once.take(False) == ""
+        assert once.take(True) == once.text == stream(tokenizer, prompt, ids, [], decoder(tokenizer))[1]
+    emoji = tokenizer.encode("🙂", add_special_tokens=False)
+    assert len(emoji) > 1  # a character split over tokens: cut short, the incomplete character is dropped
+    once = Detokenizer(tokenizer, prompt, [], once=True)
+    for token in tokenizer.encode("ok", add_special_tokens=False) + emoji[:-1]:
+        once.add(token)
+    assert once.take(True) == "ok"
+    assert Detokenizer(tokenizer, prompt, ["x"], once=True).once is False  # stop strings need every step

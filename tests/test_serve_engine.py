@@ -119,6 +119,22 @@ def test_sampling_is_seeded_per_request(llm):
         tokens(llm.generate(PROMPTS[:2], GREEDY))
 
 
+def test_offline_requests_decode_once_to_the_streamed_text(llm):
+    offline = llm.generate(PROMPTS, GREEDY)  # stream=False: one output each, text decoded at the end
+    engine, streamed, finals, count = llm.engine, {}, {}, 0
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"streamed-{i}", prompt, GREEDY)
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed[out.request_id] = streamed.get(out.request_id, "") + out.delta_text
+            finals.update({out.request_id: out} if out.finished else {})
+            count += 1
+    assert count > len(PROMPTS)  # a streamed request gets an output per step
+    for i, out in enumerate(offline):
+        assert out.outputs[0].text == finals[f"streamed-{i}"].outputs[0].text == streamed[f"streamed-{i}"]
+        assert out.outputs[0].token_ids == finals[f"streamed-{i}"].outputs[0].token_ids
+
+
 def test_stop_strings_and_stop_tokens(llm):
     full = llm.generate(PROMPTS[0], GREEDY)[0].outputs[0]  # " Paris.\n\nThe answer is: 20..."
     cut = llm.generate(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop=["answer"]))[0].outputs[0]

@@ -34,6 +34,7 @@ class Request:
     seed: int  # sampling noise comes from (seed, position): lowbit.serve.sampler
     max_tokens: int
     prompt_token_ids: list[int]  # shared by every RequestOutput of the request: never mutated
+    stream: bool  # False: only the final output is built
     arrival: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
     num_sent_tokens: int = 0  # completion tokens already reported in a RequestOutput
@@ -64,8 +65,10 @@ class Engine:
         _freeze_startup_heap()
 
     # ---- requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Raises ValueError for a bad prompt (empty, out-of-vocabulary ids, too long)."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    stream: bool = True) -> None:
+        """Raises ValueError for a bad prompt (empty, out-of-vocabulary ids, too long).
+        stream=False: the request gets one RequestOutput, the final one, and its text is decoded once at the end."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -82,8 +85,8 @@ class Engine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else self._seed.getrandbits(63)
         seq = Sequence(ids, params, request_id)
-        self.requests[request_id] = Request(seq, text, Detokenizer(self.tokenizer, ids, params.stop, self.decode), seed,
-                                            max_tokens, ids)
+        detokenizer = Detokenizer(self.tokenizer, ids, params.stop, self.decode, once=not stream)
+        self.requests[request_id] = Request(seq, text, detokenizer, seed, max_tokens, ids, stream)
         self.metrics.prompt_tokens += len(ids)
         self.scheduler.add(seq)
 
@@ -118,7 +121,7 @@ class Engine:
             self._sample(sampled, logits)
             changed += [s for s, _ in sampled]
         self.metrics.on_step(len(sampled))
-        return [self._output(s) for s in changed]
+        return [self._output(s) for s in changed if s.is_finished or self.requests[s.request_id].stream]
 
     def _logit_rows(self, batch: Batch) -> list[list[int]]:
         """Per sequence, the offsets within its new tokens whose logits are wanted."""

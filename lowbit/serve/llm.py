@@ -27,7 +27,7 @@ class LLM:
         order = []
         for prompt, p in zip(prompts, params):
             order.append(f"llm-{next(self._ids)}")
-            self.engine.add_request(order[-1], prompt, p)
+            self.engine.add_request(order[-1], prompt, p, stream=False)
         done: dict[str, RequestOutput] = {}
         while len(done) < len(order):
             for out in self.engine.step():
