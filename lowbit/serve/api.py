@@ -129,13 +129,14 @@ class OpenAIServer:
         if model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model", "model_not_found")
 
-    async def _submit(self, prefix: str, prompts: list, params) -> tuple[str, list]:
-        """Adds one engine request per prompt; returns (response id, [stream]). Bad prompts: 400, nothing left."""
+    async def _submit(self, prefix: str, prompts: list, params, stream: bool) -> tuple[str, list]:
+        """Adds one engine request per prompt; returns (response id, [stream]). Bad prompts: 400, nothing left.
+        stream=False: each request's stream yields its final output only."""
         rid = self.engine.new_request_id(prefix)
         streams = []
         try:
             for i, prompt in enumerate(prompts):
-                outputs = await self.engine.add(f"{rid}-{i}", prompt, params)
+                outputs = await self.engine.add(f"{rid}-{i}", prompt, params, stream)
                 streams.append(self.engine.stream(f"{rid}-{i}", outputs))
         except ValueError as e:
             for i in range(len(streams)):
@@ -176,7 +177,7 @@ class OpenAIServer:
     async def completions(self, req: CompletionRequest, request: Request):
         self._check_model(req.model)
         params = req.params()
-        rid, streams = await self._submit("cmpl", req.prompts(), params)
+        rid, streams = await self._submit("cmpl", req.prompts(), params, req.stream)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
             return self._stream(self._completion_events(req, head, streams))
@@ -238,7 +239,7 @@ class OpenAIServer:
         except Exception as e:  # jinja raises its own errors for conversations the template refuses
             raise APIError(400, f"chat template: {e}", param="messages") from e
         ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
-        rid, streams = await self._submit("chatcmpl", [ids], params)
+        rid, streams = await self._submit("chatcmpl", [ids], params, req.stream)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
             return self._stream(self._chat_events(req, head | {"object": "chat.completion.chunk"}, streams[0]))
