@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lowbit.kernels.norm import quantize_fp8_ref  # noqa: E402
 from lowbit.serve import attention as attn_mod  # noqa: E402
 from lowbit.serve import layers as layers_mod  # noqa: E402
 from lowbit.serve.config import EngineConfig  # noqa: E402
@@ -168,17 +169,16 @@ class Fp32KvAttention(attn_mod.TorchAttentionBackend):
     rounded to bf16 first as the checkpoint reader's fake-quantized KV cache is."""
 
     @staticmethod
-    def attend(q, kv_cache, ctx, scale, k_scale, v_scale):
+    def attend(q, kv_cache, ctx, scale, k_scale, v_scale, out_scale=None):
         if kv_cache.dtype != torch.float8_e4m3fn:
-            return attn_mod.TorchAttentionBackend.attend(q, kv_cache, ctx, scale, k_scale, v_scale)
-        return attn_mod.TorchAttentionBackend.attend(q.float(), kv_cache, ctx, scale, k_scale, v_scale).to(q.dtype)
+            return attn_mod.TorchAttentionBackend.attend(q, kv_cache, ctx, scale, k_scale, v_scale, out_scale)
+        out = attn_mod.TorchAttentionBackend.attend(q.float(), kv_cache, ctx, scale, k_scale, v_scale).to(q.dtype)
+        return out if out_scale is None else quantize_fp8_ref(out, out_scale)
 
 
 def fp8_linear_fp32(x, p, bias, out_dtype):
     """Static FP8 as the kernels compute it: FP8 codes of x times the scales, fp32 math, one rounding at the end
     (linear_ref rounds the dequantized activation to bf16 first, as modelopt's fake quantization does)."""
-    from lowbit.kernels.norm import quantize_fp8_ref
-
     codes = x if x.dtype == torch.float8_e4m3fn else quantize_fp8_ref(x, p.input_scale)
     y = (codes.float() * p.input_scale) @ p.ref_weight().t()
     if bias is not None:

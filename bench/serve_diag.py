@@ -91,9 +91,9 @@ def op_errors(bench, args, fmt) -> dict:
             rec.add("store_kv", kv_cache.float(), ref.float())
 
         @staticmethod
-        def attend(q, kv_cache, ctx, scale, k_scale, v_scale):
-            out = TritonAttentionBackend.attend(q, kv_cache, ctx, scale, k_scale, v_scale)
-            ref = bench.Fp32KvAttention.attend(q, kv_cache, ctx, scale, k_scale, v_scale)
+        def attend(q, kv_cache, ctx, scale, k_scale, v_scale, out_scale=None):
+            out = TritonAttentionBackend.attend(q, kv_cache, ctx, scale, k_scale, v_scale, out_scale)
+            ref = bench.Fp32KvAttention.attend(q, kv_cache, ctx, scale, k_scale, v_scale, out_scale)
             rec.add("attend decode" if ctx.is_decode else "attend prefill", out, ref)
             return out
 

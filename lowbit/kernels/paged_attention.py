@@ -4,11 +4,13 @@ kv_cache [2, num_blocks, block_size, Hk, D], model dtype or float8_e4m3fn holdin
 Token p of sequence b lives in slot block_tables[b, p // block_size] * block_size + p % block_size.
 Grouped-query: query head h reads KV head h // (Hq // Hk). Every op has a torch reference of the same signature.
 Launchers take device tensors only (no host sync), so decode can be captured in a CUDA graph.
+With out_scale (the o_proj's static FP8 input scale) decode and prefill write their output as float8_e4m3fn.
 """
 import torch
 import torch.nn.functional as F
 
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl
+from lowbit.kernels.norm import quantize_fp8_ref
 
 FP8_MAX = 448.0
 # Tiles by KV dtype: (BLOCK_N, num_warps, num_stages) for decode, (BLOCK_M, BLOCK_N, num_warps, num_stages) for
@@ -53,8 +55,9 @@ def _gather_seq(kv_cache, table, n, scale_k, scale_v, dtype):
 
 
 def paged_prefill_ref(q, kv_cache, query_start_loc, context_lens, block_tables, max_query_len, scale,
-                      k_scale, v_scale) -> torch.Tensor:
-    """q [T, Hq, D] (the new tokens of all sequences) -> [T, Hq, D]; query i of b sits at ctx_len - q_len + i."""
+                      k_scale, v_scale, out_scale=None) -> torch.Tensor:
+    """q [T, Hq, D] (the new tokens of all sequences) -> [T, Hq, D]; query i of b sits at ctx_len - q_len + i.
+    out_scale (the next linear's static FP8 input scale): the output, in q's dtype, quantized to float8_e4m3fn."""
     out = torch.empty_like(q)
     qsl, lens = query_start_loc.tolist(), context_lens.tolist()
     for b, ctx_len in enumerate(lens):
@@ -65,14 +68,14 @@ def paged_prefill_ref(q, kv_cache, query_start_loc, context_lens, block_tables, 
         o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
-    return out
+    return out if out_scale is None else quantize_fp8_ref(out, out_scale)
 
 
 def paged_decode_ref(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scale,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, out_scale=None) -> torch.Tensor:
     """q [B, Hq, D], one new token per sequence (its K/V already stored) -> [B, Hq, D]."""
     qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_prefill_ref(q, kv_cache, qsl, context_lens, block_tables, 1, scale, k_scale, v_scale)
+    return paged_prefill_ref(q, kv_cache, qsl, context_lens, block_tables, 1, scale, k_scale, v_scale, out_scale)
 
 
 # ---- KV store
@@ -108,6 +111,10 @@ def store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale) -> None:
                            HKD=hk * d, BLOCK=next_pow2(hk * d), FP8=fp8, num_warps=4)
 
 
+def _tl_dtype(dtype: torch.dtype):
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
 def _scale_tensor(s, device):
     if isinstance(s, torch.Tensor):
         return s.to(device=device, dtype=torch.float32).reshape(1)
@@ -116,6 +123,17 @@ def _scale_tensor(s, device):
 
 
 # ---- attention: one tile of cached keys at a time, online softmax in fp32 (log2 domain)
+@helper
+def _output(o, os_ptr, model_dtype: tl.constexpr, QUANT_OUT: tl.constexpr):
+    """The attention output as stored: rounded to the model dtype, then (QUANT_OUT) FP8 of that / out_scale."""
+    o = o.to(model_dtype)
+    if QUANT_OUT:
+        v = tl.div_rn(o.to(tl.float32), tl.load(os_ptr))
+        o = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv)
+    return o
+
+
+
 @helper
 def _kv_tile(kv_ptr, bt_ptr, bt_row, offs_n, mask_n, kvh, offs_d, half_stride, HKD: tl.constexpr, D: tl.constexpr,
              BS: tl.constexpr):
@@ -141,11 +159,11 @@ def _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale):
 
 
 @kernel
-def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, out_ptr, part_ptr, lse_ptr, qk_scale,
+def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_ptr, part_ptr, lse_ptr, qk_scale,
                    bt_stride, half_stride, num_splits,
                    HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    BS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
-                   F16_DOT: tl.constexpr):
+                   F16_DOT: tl.constexpr, QUANT_OUT: tl.constexpr):
     """Program (b, kv head, split): the G query heads of one KV head over one slice of the context."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -174,8 +192,8 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, out_ptr, part
         m, l, acc = _softmax_step(q, k, v, mask_n[None, :], m, l, acc, qk_scale * k_scale, v_scale)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     if DIRECT:
-        tl.store(out_ptr + (b * HQ + heads)[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=mask_g[:, None])
+        tl.store(out_ptr + (b * HQ + heads)[:, None] * D + offs_d[None, :],
+                 _output(o, os_ptr, q_ptr.dtype.element_ty, QUANT_OUT), mask=mask_g[:, None])
     else:
         row = (b * HQ + heads) * num_splits + split  # partials [B, HQ, S, D], lse [B, HQ, S] (log2)
         tl.store(part_ptr + row[:, None] * D + offs_d[None, :], o, mask=mask_g[:, None])
@@ -183,7 +201,8 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, out_ptr, part
 
 
 @kernel
-def _combine_kernel(part_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, SP: tl.constexpr):
+def _combine_kernel(part_ptr, lse_ptr, os_ptr, out_ptr, num_splits, D: tl.constexpr, SP: tl.constexpr,
+                    model_dtype: tl.constexpr, QUANT_OUT: tl.constexpr):
     """Program (b * HQ + h): merges the splits' partial outputs by their log-sum-exp."""
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, SP)
@@ -194,7 +213,7 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, SP:
     part = tl.load(part_ptr + (row * num_splits + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None],
                    other=0.0)
     o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + row * D + offs_d, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + row * D + offs_d, _output(o, os_ptr, model_dtype, QUANT_OUT))
 
 
 LOG2E = 1.4426950408889634
@@ -206,33 +225,36 @@ def decode_splits(batch: int, num_kv_heads: int) -> int:
 
 
 def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scale,
-                 num_splits: int | None = None) -> torch.Tensor:
+                 num_splits: int | None = None, out_scale=None) -> torch.Tensor:
     """Triton: same contract as paged_decode_ref. No host sync (graph-capturable)."""
     bsz, hq, d = q.shape
     _, _, bs, hk, _ = kv_cache.shape
     g = hq // hk
     s = num_splits or decode_splits(bsz, hk)
     q = q.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, dtype=q.dtype if out_scale is None else torch.float8_e4m3fn)
+    os_ = _scale_tensor(out_scale, q.device) if out_scale is not None else q
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     ks, vs = (_scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)) if fp8 else (q, q)
     block_n, warps, stages = DECODE_CONFIG[fp8]
     part = torch.empty(bsz, hq, s, d, dtype=torch.float32, device=q.device) if s > 1 else out
     lse = torch.empty(bsz, hq, s, dtype=torch.float32, device=q.device) if s > 1 else out
-    _decode_kernel[(bsz, hk, s)](q, kv_cache, block_tables, context_lens, ks, vs, out, part, lse, scale * LOG2E,
+    _decode_kernel[(bsz, hk, s)](q, kv_cache, block_tables, context_lens, ks, vs, os_, out, part, lse, scale * LOG2E,
                                  block_tables.stride(0), kv_cache.stride(0), s, HQ=hq, HKD=hk * d, G=g,
                                  GP=max(16, next_pow2(g)), D=d, BS=bs, BLOCK_N=block_n, FP8=fp8,
-                                 DIRECT=s == 1, F16_DOT=FP8_KV_F16_DOT, num_warps=warps, num_stages=stages)
+                                 DIRECT=s == 1, F16_DOT=FP8_KV_F16_DOT, QUANT_OUT=out_scale is not None,
+                                 num_warps=warps, num_stages=stages)
     if s > 1:
-        _combine_kernel[(bsz * hq,)](part, lse, out, s, D=d, SP=next_pow2(s), num_warps=4)
+        _combine_kernel[(bsz * hq,)](part, lse, os_, out, s, D=d, SP=next_pow2(s), model_dtype=_tl_dtype(q.dtype),
+                                     QUANT_OUT=out_scale is not None, num_warps=4)
     return out
 
 
 @kernel
-def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, out_ptr, qk_scale, bt_stride,
+def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_ptr, qk_scale, bt_stride,
                     half_stride, HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                     BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
-                    F16_DOT: tl.constexpr):
+                    F16_DOT: tl.constexpr, QUANT_OUT: tl.constexpr):
     """Program (query tile, b, query head): causal attention of new tokens over cached + new keys."""
     b = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
@@ -264,22 +286,24 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, out
         valid = mask_n[None, :] & (offs_n[None, :] <= pos[:, None])
         m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale * k_scale, v_scale)
     o = acc / l[:, None]
-    tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
+    tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], _output(o, os_ptr, q_ptr.dtype.element_ty, QUANT_OUT),
+             mask=mask_m[:, None])
 
 
 def paged_prefill(q, kv_cache, query_start_loc, context_lens, block_tables, max_query_len, scale,
-                  k_scale, v_scale) -> torch.Tensor:
+                  k_scale, v_scale, out_scale=None) -> torch.Tensor:
     """Triton: same contract as paged_prefill_ref. max_query_len (host int) sizes the grid."""
     t, hq, d = q.shape
     _, _, bs, hk, _ = kv_cache.shape
     q = q.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, dtype=q.dtype if out_scale is None else torch.float8_e4m3fn)
+    os_ = _scale_tensor(out_scale, q.device) if out_scale is not None else q
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     ks, vs = (_scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)) if fp8 else (q, q)
     block_m, block_n, warps, stages = PREFILL_CONFIG[fp8]
     grid = (cdiv(max_query_len, block_m), block_tables.shape[0], hq)
-    _prefill_kernel[grid](q, kv_cache, block_tables, query_start_loc, context_lens, ks, vs, out, scale * LOG2E,
+    _prefill_kernel[grid](q, kv_cache, block_tables, query_start_loc, context_lens, ks, vs, os_, out, scale * LOG2E,
                           block_tables.stride(0), kv_cache.stride(0), HQ=hq, HKD=hk * d, G=hq // hk, D=d, BS=bs,
                           BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, F16_DOT=FP8_KV_F16_DOT,
-                          num_warps=warps, num_stages=stages)
+                          QUANT_OUT=out_scale is not None, num_warps=warps, num_stages=stages)
     return out

@@ -28,10 +28,11 @@ def _per_tensor_then_column_scale(q, w, scale_a, scale_b, bias, out_dtype):
         _ONES[q.device] = torch.ones((), device=q.device)
     one = _ONES[q.device]
     y = torch._scaled_mm(q, w.t(), scale_a=scale_a.float().reshape(()), scale_b=one, out_dtype=torch.float32)
-    y.mul_(scale_b.float().reshape(1, -1))
-    if bias is not None:
-        y.add_(bias.float())
-    return y.to(out_dtype)
+    out = torch.empty(y.shape, dtype=out_dtype, device=y.device)
+    col = scale_b.float().reshape(1, -1)
+    if bias is None:  # one elementwise kernel: fp32 product, rounded once into out
+        return torch.mul(y, col, out=out)
+    return torch.addcmul(bias.float().reshape(1, -1), y, col, out=out)
 
 
 def scaled_mm(q, w, scale_a, scale_b, bias, out_dtype):

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.checkpoint.formats import FP8_MAX
+from lowbit.kernels.norm import quantize_fp8_ref
 from lowbit.serve.context import StepContext
 
 
@@ -23,8 +24,9 @@ class TorchAttentionBackend:
         flat[1].index_copy_(0, slot_mapping, _bits(_quantize(v, v_scale, kv_cache.dtype)))
 
     @staticmethod
-    def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale) -> torch.Tensor:
-        """q [T, Hq, D] -> out [T, Hq, D]: each new token attends to its sequence's keys up to its own position."""
+    def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None) -> torch.Tensor:
+        """q [T, Hq, D] -> out [T, Hq, D]: each new token attends to its sequence's keys up to its own position.
+        out_scale: the output (in q's dtype) quantized to float8_e4m3fn with this static scale."""
         block_size = kv_cache.shape[2]
         out = torch.empty_like(q)
         start = 0
@@ -41,7 +43,7 @@ class TorchAttentionBackend:
                                                is_causal=1 < n == ctx_len, scale=scale, enable_gqa=True)
             out[start:start + n] = o[0].transpose(0, 1)
             start += n
-        return out
+        return out if out_scale is None else quantize_fp8_ref(out, out_scale)
 
 
 def _bits(x):
@@ -85,11 +87,11 @@ class Attention(nn.Module):
         self.k_scale = torch.tensor(1.0)  # float32 scalars, used only with an FP8 cache
         self.v_scale = torch.tensor(1.0)
 
-    def forward(self, q, k, v, ctx: StepContext) -> torch.Tensor:
-        """q [T, Hq*D], k/v [T, Hk*D] -> [T, Hq*D]."""
+    def forward(self, q, k, v, ctx: StepContext, out_scale=None) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hk*D] -> [T, Hq*D] (float8_e4m3fn, out / out_scale, when out_scale is given)."""
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         _backend.store_kv(k, v, self.kv_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
-        return _backend.attend(q, self.kv_cache, ctx, self.scale, self.k_scale, self.v_scale).reshape(t, -1)
+        return _backend.attend(q, self.kv_cache, ctx, self.scale, self.k_scale, self.v_scale, out_scale).reshape(t, -1)

@@ -14,8 +14,9 @@ class TritonAttentionBackend:
         pa.store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
     @staticmethod
-    def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale) -> torch.Tensor:
+    def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None) -> torch.Tensor:
         if ctx.is_decode:
-            return pa.paged_decode(q, kv_cache, ctx.block_tables, ctx.context_lens, scale, k_scale, v_scale)
+            return pa.paged_decode(q, kv_cache, ctx.block_tables, ctx.context_lens, scale, k_scale, v_scale,
+                                   out_scale=out_scale)
         return pa.paged_prefill(q, kv_cache, ctx.query_start_loc, ctx.context_lens, ctx.block_tables,
-                                max(ctx.query_lens_cpu), scale, k_scale, v_scale)
+                                max(ctx.query_lens_cpu), scale, k_scale, v_scale, out_scale)

@@ -40,7 +40,7 @@ class LlamaAttention(nn.Module):
             q, k = self.rotary[0](ctx.positions, q, k)
         else:  # q and k straight from the qkv rows, one launch
             q, k = self.rotary[0].qk(ctx.positions, qkv, self.num_heads, self.num_kv_heads)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        return self.o_proj(self.attn(q, k, v, ctx, self.o_proj.fp8_input_scale))
 
 
 class LlamaMLP(nn.Module):
