@@ -98,23 +98,25 @@ def test_prefill_and_extend_match_reference(fp8):
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_fp8_output_for_the_next_linear(splits):
-    """With out_scale, decode and prefill write FP8 (output in the model dtype / out_scale) as the reference does."""
+    """With out_scale, decode and prefill write their own model-dtype output quantized to FP8 (out / out_scale): bit
+    for bit what quantizing that output afterwards gives (the bf16 output itself is checked against the reference
+    by the tests above); the references do the same on their own output."""
+    from lowbit.kernels.norm import quantize_fp8_ref
+
     ctx, qlen = [70, 5, 33], [70, 5, 1]
     c = make_case(ctx, qlen, dtype=DTYPE, kv_dtype=torch.float8_e4m3fn, seed=4, **SHAPES)
     pa.store_kv_ref(c["k"], c["v"], c["cache"], c["slots"], *c["scales"])
-    out_scale = torch.tensor(0.01)
+    out_scale = torch.tensor(0.01, device=c["q"].device)
     args = (c["q"], c["cache"], c["qsl"], c["ctx"], c["tables"], max(qlen), 0.125, *c["scales"])
-    out, ref = pa.paged_prefill(*args, out_scale), pa.paged_prefill_ref(*args, out_scale)
     d = make_case(ctx, [1] * 3, dtype=DTYPE, kv_dtype=torch.float8_e4m3fn, seed=5, **SHAPES)
     pa.store_kv_ref(d["k"], d["v"], d["cache"], d["slots"], *d["scales"])
     dargs = (d["q"], d["cache"], d["tables"], d["ctx"], 0.125, *d["scales"])
-    dec = pa.paged_decode(*dargs, num_splits=splits, out_scale=out_scale)
-    dec_ref = pa.paged_decode_ref(*dargs, out_scale=out_scale)
-    for got, want in ((out, ref), (dec, dec_ref)):
-        assert got.dtype == want.dtype == torch.float8_e4m3fn
-        # a code may flip where the kernel's and the reference's values straddle a rounding edge; the interpreter
-        # also mis-rounds ~2 % of fp32 -> fp8 casts to half the value (ENV.md), so it gets the looser bars
-        differ = (got.view(torch.uint8) != want.view(torch.uint8)).float().mean().item()
-        assert differ < (0.05 if interpreting() else 0.01)
-        if not interpreting():  # the interpreter's half-value casts dominate any norm of the difference
-            assert rel_err(got.float(), want.float()) < 1e-2
+    pairs = [(pa.paged_prefill(*args, out_scale), pa.paged_prefill(*args)),
+             (pa.paged_decode(*dargs, num_splits=splits, out_scale=out_scale), pa.paged_decode(*dargs, num_splits=splits)),
+             (pa.paged_prefill_ref(*args, out_scale), pa.paged_prefill_ref(*args)),
+             (pa.paged_decode_ref(*dargs, out_scale=out_scale), pa.paged_decode_ref(*dargs))]
+    for fp8, plain in pairs:
+        assert fp8.dtype == torch.float8_e4m3fn and fp8.shape == plain.shape
+        differ = (fp8.view(torch.uint8) != quantize_fp8_ref(plain, out_scale).view(torch.uint8)).float().mean()
+        # the interpreter mis-rounds ~2 % of fp32 -> fp8 casts (ENV.md); compiled, the epilogue is exact
+        assert differ.item() < 0.05 if interpreting() else differ.item() == 0
