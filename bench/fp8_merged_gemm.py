@@ -1,67 +1,95 @@
-"""FP8 merged q/k/v and gate/up GEMM options on the GPU (per-tensor activations x per-row weight scales): three
-separate per-tensor GEMMs, cuBLAS row-wise, the Triton scaled GEMM, per-tensor into fp32 then the row scales; error
-vs the fp32 reference and median us. Chose w8a8.PER_TENSOR_THEN_SCALE_MAX_M."""
+"""FP8 merged q/k/v and gate/up GEMM options on the GPU: per-tensor FP8 activations times FP8 weights with one
+scale per output row (what a merged layer of per-tensor parts carries). Options: the parts as separate per-tensor
+`_scaled_mm` calls, cuBLAS row-wise, lowbit's Triton scaled GEMM, and per-tensor `_scaled_mm` into fp32 followed by
+the row scales (lowbit's pick up to w8a8.PER_TENSOR_THEN_SCALE_MAX_M); bf16 cuBLAS for scale. Error vs the fp32
+reference and median us (CUDA-graph replays over weight copies beyond L2, as bench/kernels.py times).
+
+`python3 bench/fp8_merged_gemm.py [--json FILE]`
+"""
+import argparse
 import importlib.util
 import json
-import os
-import sys
+from pathlib import Path
 
 import torch
-sys.path.insert(0, os.getcwd())
-spec = importlib.util.spec_from_file_location("kb", "bench/kernels.py")
-kb = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(kb)
-from lowbit.kernels import scaled_gemm as sg
+import torch.nn.functional as F
 
-dev = "cuda"
-SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [14336, 14336])}
-rows = []
-for name, (k, parts) in SHAPES.items():
-    n = sum(parts)
-    for m in (1, 16, 64, 256, 4096):
-        x = (torch.randn(m, k, device=dev) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
-        sa = torch.tensor(0.01, device=dev)
-        copies = kb.copies_for(n * k)
-        Ws = [(torch.randn(n, k, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn) for _ in range(copies)]
-        sv = torch.rand(n, device=dev) * 1e-3 + 1e-4
-        one = torch.tensor(1.0, device=dev)
-        # correctness of each merged option vs the fp32 reference (first copy)
-        ref = sg.scaled_gemm_ref(x, Ws[0], sa, sv, None, torch.bfloat16).float()
-        def rowwise(W):
-            return torch._scaled_mm(x, W.t(), scale_a=sa.expand(m, 1).contiguous(), scale_b=sv.reshape(1, -1), out_dtype=torch.bfloat16)
-        def triton_g(W):
-            return sg.scaled_gemm(x, W, sa, sv, None, torch.bfloat16)
-        def fp32_then_mul(W):
-            return (torch._scaled_mm(x, W.t(), scale_a=sa, scale_b=one, out_dtype=torch.float32) * sv).to(torch.bfloat16)
-        def pertensor(W):
-            return torch._scaled_mm(x, W.t(), scale_a=sa, scale_b=one, out_dtype=torch.bfloat16)
-        Wsplit = [list(W.split(parts)) for W in Ws]
-        def separate(ws):
-            return [torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=one, out_dtype=torch.bfloat16) for w in ws]
-        err = {}
-        for nm, f in (("rowwise", rowwise), ("triton", triton_g), ("fp32_mul", fp32_then_mul)):
-            err[nm] = ((f(Ws[0]).float() - ref).norm() / ref.norm()).item()
-        times = {}
-        rep = max(1, -(-16 // copies)) if m <= 256 else 1
-        times["separate"] = kb.time_us([(lambda ws=ws: separate(ws)) for ws in Wsplit] * rep, 50)
-        for nm, f in (("rowwise", rowwise), ("triton", triton_g), ("fp32_mul", fp32_then_mul), ("pertensor_lb", pertensor)):
-            times[nm] = kb.time_us([(lambda W=W, f=f: f(W)) for W in Ws] * rep, 50)
-        bf = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(kb.copies_for(2 * n * k))]
-        xb = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        times["bf16"] = kb.time_us([(lambda W=W: torch.nn.functional.linear(xb, W)) for W in bf] * (max(1, -(-16 // len(bf))) if m <= 256 else 1), 50)
-        del bf
-        row = {"shape": name, "M": m, **{f"us_{a}": round(b, 2) for a, b in times.items()}, **{f"err_{a}": round(b, 6) for a, b in err.items()}}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        # also the Triton scaled_gemm with other small-M tiles
-        if m <= 64:
-            for cfg in ((16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 256, 4, 3), (64, 128, 128, 4, 4)):
-                bm = max(cfg[0], 16)
-                try:
-                    t = kb.time_us([(lambda W=W: sg.scaled_gemm(x, W, sa, sv, None, torch.bfloat16, config=cfg)) for W in Ws] * rep, 50)
-                    print(json.dumps({"shape": name, "M": m, "triton_cfg": cfg, "us": round(t, 2)}), flush=True)
-                except Exception as e:
-                    print("cfg fail", cfg, repr(e)[:200])
-        del Ws, Wsplit
-        torch.cuda.empty_cache()
-json.dump(rows, open(os.path.join(os.environ.get("OUT", "/tmp"), "fp8_merged.json"), "w"))
+from lowbit.kernels import scaled_gemm as sg
+from lowbit.kernels import w8a8
+
+SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [14336, 14336])}  # in, out rows per part
+MS = (1, 16, 64, 256, 4096)
+SMALL_M_TILES = ((16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 256, 4, 3), (64, 128, 128, 4, 4))
+
+
+def load_kernels_bench():
+    spec = importlib.util.spec_from_file_location("kernels_bench", Path(__file__).with_name("kernels.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fp8(t: torch.Tensor) -> torch.Tensor:
+    return t.clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def options(x, sa, row_scale, parts, one):
+    """name -> op(weight) for one merged weight [N, K]."""
+    m = x.shape[0]
+    return {
+        "separate": lambda w: [torch._scaled_mm(x, p.t(), scale_a=sa, scale_b=one, out_dtype=torch.bfloat16)
+                               for p in w.split(parts)],
+        "rowwise": lambda w: torch._scaled_mm(x, w.t(), scale_a=sa.expand(m, 1).contiguous(),
+                                              scale_b=row_scale.reshape(1, -1), out_dtype=torch.bfloat16),
+        "triton": lambda w: sg.scaled_gemm(x, w, sa, row_scale, None, torch.bfloat16),
+        "fp32_then_scale": lambda w: w8a8._per_tensor_then_column_scale(x, w, sa, row_scale, None, torch.bfloat16),
+        "lowbit": lambda w: w8a8.scaled_mm(x, w, sa, row_scale, None, torch.bfloat16),
+    }
+
+
+def measure(kb, name: str, k: int, parts: list[int], m: int) -> list[dict]:
+    dev, n = "cuda", sum(parts)
+    x = fp8(torch.randn(m, k, device=dev) * 50)
+    sa, one = torch.tensor(0.01, device=dev), torch.ones((), device=dev)
+    row_scale = torch.rand(n, device=dev) * 1e-3 + 1e-4
+    weights = [fp8(torch.randn(n, k, device=dev) * 100) for _ in range(kb.copies_for(n * k))]
+    repeat = max(1, -(-16 // len(weights))) if m <= 256 else 1
+    ref = sg.scaled_gemm_ref(x, weights[0], sa, row_scale, None, torch.bfloat16).float()
+    row = {"shape": name, "M": m}
+    for option, op in options(x, sa, row_scale, parts, one).items():
+        if option != "separate":
+            row[f"err_{option}"] = round(((op(weights[0]).float() - ref).norm() / ref.norm()).item(), 6)
+        row[f"us_{option}"] = round(kb.time_us([lambda w=w, op=op: op(w) for w in weights] * repeat, 50), 2)
+    rows = [row]
+    if m <= 64:
+        for tile in SMALL_M_TILES:
+            us = kb.time_us([lambda w=w: sg.scaled_gemm(x, w, sa, row_scale, None, torch.bfloat16, config=tile)
+                             for w in weights] * repeat, 50)
+            rows.append({"shape": name, "M": m, "triton_tile": tile, "us": round(us, 2)})
+    del weights
+    dense = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(kb.copies_for(2 * n * k))]
+    xb = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    repeat = max(1, -(-16 // len(dense))) if m <= 256 else 1
+    row["us_bf16"] = round(kb.time_us([lambda w=w: F.linear(xb, w) for w in dense] * repeat, 50), 2)
+    del dense
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    kb, results = load_kernels_bench(), []
+    for name, (k, parts) in SHAPES.items():
+        for m in MS:
+            for row in measure(kb, name, k, parts, m):
+                print(json.dumps(row), flush=True)
+                results.append(row)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
