@@ -112,7 +112,8 @@ def test_fp8_output_for_the_next_linear(splits):
     pa.store_kv_ref(d["k"], d["v"], d["cache"], d["slots"], *d["scales"])
     dargs = (d["q"], d["cache"], d["tables"], d["ctx"], 0.125, *d["scales"])
     pairs = [(pa.paged_prefill(*args, out_scale), pa.paged_prefill(*args)),
-             (pa.paged_decode(*dargs, num_splits=splits, out_scale=out_scale), pa.paged_decode(*dargs, num_splits=splits)),
+             (pa.paged_decode(*dargs, num_splits=splits, out_scale=out_scale),
+              pa.paged_decode(*dargs, num_splits=splits)),
              (pa.paged_prefill_ref(*args, out_scale), pa.paged_prefill_ref(*args)),
              (pa.paged_decode_ref(*dargs, out_scale=out_scale), pa.paged_decode_ref(*dargs))]
     for fp8, plain in pairs:

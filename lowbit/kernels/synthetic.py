@@ -43,7 +43,8 @@ def quantize_linear(algo: str, w: torch.Tensor, x_amax: float = 4.0, group: int 
         if smooth is not None:
             t["pre_quant_scale"] = smooth
     elif algo in ("NVFP4", "W4A16_NVFP4"):
-        t["weight_scale_2"] = (_amax(w) if w_amax is None else torch.tensor(w_amax, device=w.device)) / (E2M1_MAX * FP8_MAX)
+        amax = _amax(w) if w_amax is None else torch.tensor(w_amax, device=w.device)
+        t["weight_scale_2"] = amax / (E2M1_MAX * FP8_MAX)
         codes, t["weight_scale"] = nvfp4_quantize(w, t["weight_scale_2"])
         t["weight"] = pack_e2m1(codes)
         if algo == "NVFP4":
