@@ -161,11 +161,33 @@ def stub_detokenizer_and_metrics() -> None:
     Histogram.observe = lambda self, value: None
 
 
+def positive_ints(text: str) -> list[int]:
+    """"64,256" -> [64, 256]; anything else is a usage error (one line, exit 2)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+def workloads(text: str) -> list[tuple[int, int]]:
+    """"128/128,1000/1000" -> [(128, 128), (1000, 1000)]."""
+    try:
+        pairs = [tuple(positive_ints(w.replace("/", ","))) for w in text.split(",")]
+    except argparse.ArgumentTypeError:
+        pairs = []
+    if not pairs or any(len(pair) != 2 for pair in pairs):
+        raise argparse.ArgumentTypeError(f"expected ISL/OSL pairs such as 128/128,1000/1000, got {text!r}")
+    return pairs
+
+
 def parse(argv):
     p = argparse.ArgumentParser(prog="lowbit bench engine-overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", default="64,256,512")
-    p.add_argument("--workloads", default="128/128,1000/1000", help="ISL/OSL pairs")
+    p.add_argument("--batches", type=positive_ints, default="64,256,512")
+    p.add_argument("--workloads", type=workloads, default="128/128,1000/1000", help="ISL/OSL pairs")
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--sample-vocab", type=int, default=256, help="columns of the stub's logits (see above)")
     p.add_argument("--real-tokenizer", action="store_true")
@@ -185,9 +207,8 @@ def main(argv=None) -> int:
     if args.no_detok_metrics:
         stub_detokenizer_and_metrics()
     rows = []
-    for workload in args.workloads.split(","):
-        isl, osl = (int(x) for x in workload.split("/"))
-        for batch in (int(b) for b in args.batches.split(",")):
+    for isl, osl in args.workloads:
+        for batch in args.batches:
             rows.append(measure(args, batch, isl, osl))
             print(f"{isl}/{osl} batch {batch}: decode step {rows[-1]['decode_ms']['total']:.3f} ms "
                   f"({rows[-1]['wall_s']} s)", file=sys.stderr, flush=True)

@@ -7,7 +7,7 @@ from the same seed, but not the same values: a seed reproduces its tokens on the
 """
 import torch
 
-from lowbit.kernels._triton import cdiv, kernel, on_gpu, tl
+from lowbit.kernels._triton import HAS_TRITON, cdiv, kernel, tl
 
 _BLOCK = 4096
 
@@ -38,8 +38,7 @@ def exponential_noise_triton(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def exponential_noise(seeds: list[int], vocab: int, device) -> torch.Tensor:
-    probe = torch.empty(0, device=device)
-    if not on_gpu(probe):
+    """The kernel on a CUDA device (with Triton), the reference elsewhere."""
+    if not (HAS_TRITON and torch.device(device).type == "cuda"):
         return exponential_noise_ref(seeds, vocab, device)
     return exponential_noise_triton(torch.tensor(seeds, dtype=torch.int64).to(device, non_blocking=True), vocab)
-
