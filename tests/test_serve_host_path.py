@@ -4,6 +4,7 @@ carry deltas until the final one, which is cumulative."""
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from lowbit.serve.config import EngineConfig
@@ -11,6 +12,7 @@ from lowbit.serve.dummy_weights import LLAMA_3_1_8B, dummy_checkpoint
 from lowbit.serve.engine import Engine
 from lowbit.serve.model_runner import BlockTables
 from lowbit.serve.sampling_params import SamplingParams
+from lowbit.serve.sequence import PENDING
 
 TINY = dict(LLAMA_3_1_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, head_dim=32, vocab_size=512, max_position_embeddings=256, dtype="float32")
@@ -46,13 +48,20 @@ def list_inputs(batch, rows, bs):
                 block_tables=tables, logits_indices=logits_indices)
 
 
-def test_step_inputs_equal_the_list_built_ones_through_chunks_reuse_and_preemption():
-    engine = tiny_engine()
+@pytest.mark.parametrize("overlap", [False, True])
+def test_step_inputs_equal_the_list_built_ones_through_chunks_reuse_and_preemption(overlap):
+    engine = tiny_engine(overlap_steps=overlap)
     runner, prepare, kinds = engine.runner, engine.runner.prepare, set()
 
-    def checked(batch, rows):
-        input_ids, ctx = prepare(batch, rows)
+    def checked(batch, rows, pending=None):
+        input_ids, ctx = prepare(batch, rows, pending)
         expected = list_inputs(batch, rows, engine.config.block_size)
+        if pending is not None:  # a token still on the device is read from the previous step's samples
+            last = [sum(batch.num_new_tokens[:i + 1]) - 1 for i in range(len(batch.seqs))]
+            for i, row in zip(last, pending.rows.tolist()):
+                assert (expected["input_ids"][i] == PENDING) == (row >= 0)
+                expected["input_ids"][i] = pending.tokens[row].item() if row >= 0 else expected["input_ids"][i]
+            kinds.add("pending")
         got = dict(input_ids=input_ids, **{k: getattr(ctx, k) for k in expected if k != "input_ids"})
         for name, value in expected.items():
             assert got[name].tolist() == value, name
@@ -68,10 +77,10 @@ def test_step_inputs_equal_the_list_built_ones_through_chunks_reuse_and_preempti
     params = [SamplingParams(max_tokens=14, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, prompt_logprobs=1)]
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params[i % 2])
+        engine.add_request(str(i), p, params[i == 1])  # one with prompt logprobs: its steps cannot overlap
     while engine.has_unfinished():
         engine.step()
-    assert kinds == {"decode", "prefill"}
+    assert kinds == {"decode", "prefill"} | ({"pending"} if overlap else set())
     assert engine.scheduler.num_preemptions > 0 and engine.block_manager.num_hit_tokens > 0
     assert engine.block_manager.num_used_blocks == 0
 
@@ -109,3 +118,66 @@ def test_outputs_carry_deltas_until_the_final_cumulative_one():
     assert final.outputs[0].token_ids == ids and len(ids) == 7
     assert final.outputs[0].text == "".join(o.delta_text for o in outs) == CharTokenizer().decode(ids)
     assert len(final.outputs[0].logprobs) == 7 == sum(len(o.delta_logprobs) for o in outs)
+
+
+def run_streamed(engine, requests, abort_after_steps=None):
+    """requests: (id, prompt, params) -> {id: (final output, concatenated delta ids, concatenated delta text)}."""
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    deltas, finals, steps = {}, {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            ids, text = deltas.get(out.request_id, ([], ""))
+            deltas[out.request_id] = (ids + out.delta_token_ids, text + out.delta_text)
+            if out.finished:
+                finals[out.request_id] = out
+        steps += 1
+        if steps == abort_after_steps:
+            engine.abort("aborted")
+    return {i: (finals.get(i), *deltas.get(i, ([], ""))) for i, _, _ in requests}
+
+
+def test_overlapped_steps_give_the_same_outputs():
+    """The host running one step behind the device (PENDING tokens, stop decisions a step late) changes no output:
+    greedy and seeded sampling, stop tokens and strings, max_tokens, chunked prefill, prefix reuse, preemption, an
+    abort and a request whose prompt logprobs force steps without overlap."""
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, 512, (9,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 512, (n,), generator=g).tolist() for n in (1, 20, 5, 30, 3, 12, 7)]
+    greedy = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    probe = run_streamed(tiny_engine(overlap_steps=False), [("p", prompts[0], greedy)])["p"][0].outputs[0]
+    requests = [("greedy", prompts[0], greedy),
+                ("sampled", prompts[1], SamplingParams(max_tokens=11, temperature=1.0, top_p=0.9, seed=3)),
+                ("stop_id", prompts[0], SamplingParams(max_tokens=14, temperature=0,
+                                                       stop_token_ids=[probe.token_ids[4]])),
+                ("stop_text", prompts[0], SamplingParams(max_tokens=14, temperature=0, stop=[probe.text[5:7]])),
+                ("one", prompts[3], SamplingParams(max_tokens=1, temperature=0)),
+                ("aborted", prompts[4], greedy),
+                ("late", prompts[6], SamplingParams(max_tokens=9, temperature=0.7, seed=5)),
+                ("logprobs", prompts[5], SamplingParams(max_tokens=5, temperature=0, prompt_logprobs=1))]
+    expected = run_streamed(tiny_engine(overlap_steps=False, num_kv_blocks=16), requests, abort_after_steps=6)
+    overlapped = tiny_engine(overlap_steps=True, num_kv_blocks=16)
+    got = run_streamed(overlapped, requests, abort_after_steps=6)
+    assert overlapped.scheduler.num_preemptions > 0 and overlapped.block_manager.num_hit_tokens > 0
+    assert overlapped.block_manager.num_used_blocks == 0 and not overlapped.has_unfinished()
+    for request_id in ("greedy", "sampled", "stop_id", "stop_text", "one", "logprobs", "late"):
+        final, ids, text = got[request_id]
+        want = expected[request_id][0].outputs[0]
+        assert (final.outputs[0].token_ids, final.outputs[0].text, final.outputs[0].finish_reason) == \
+            (want.token_ids, want.text, want.finish_reason), request_id
+        assert ids == want.token_ids and text == want.text, request_id
+    assert got["stop_id"][0].outputs[0].finish_reason == "stop" == got["stop_text"][0].outputs[0].finish_reason
+    assert got["aborted"][0] is None and expected["aborted"][0] is None
+    assert PENDING not in got["greedy"][0].outputs[0].token_ids
+
+
+def test_overlapped_steps_stop_scheduling_a_sequence_whose_last_token_is_in_flight():
+    engine = tiny_engine(overlap_steps=True)
+    runs, run = [], engine.runner.run
+    engine.runner.run = lambda batch, *args: runs.append(batch.num_new_tokens) or run(batch, *args)
+    engine.add_request("r", list(range(40, 50)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert runs == [[10], [1], [1], [1]]  # the prompt, then 3 decodes: the 4th token needs no further step
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4

@@ -41,4 +41,5 @@ def exponential_noise(seeds: list[int], vocab: int, device) -> torch.Tensor:
     """The kernel on a CUDA device (with Triton), the reference elsewhere."""
     if not (HAS_TRITON and torch.device(device).type == "cuda"):
         return exponential_noise_ref(seeds, vocab, device)
-    return exponential_noise_triton(torch.tensor(seeds, dtype=torch.int64).to(device, non_blocking=True), vocab)
+    seeds_host = torch.tensor(seeds, dtype=torch.int64).pin_memory()  # pinned: the copy never waits for the GPU
+    return exponential_noise_triton(seeds_host.to(device, non_blocking=True), vocab)

@@ -16,6 +16,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: the checkpoint's; or float32 / bfloat16 / float16
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0  # seeds requests that give no seed of their own
+    overlap_steps: bool | None = None  # host prepares step n+1 while the device runs step n (default: on GPU)
 
     def __post_init__(self):
         positive = ["max_batch_size", "max_num_tokens", "block_size"]

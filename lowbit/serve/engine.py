@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from lowbit import checkpoint, models
@@ -14,12 +15,12 @@ from lowbit.serve.block_manager import BlockManager
 from lowbit.serve.config import EngineConfig
 from lowbit.serve.detokenizer import Detokenizer, decoder
 from lowbit.serve.metrics import EngineMetrics
-from lowbit.serve.model_runner import ModelRunner
+from lowbit.serve.model_runner import ModelRunner, PendingTokens
 from lowbit.serve.outputs import CompletionOutput, RequestOutput
 from lowbit.serve.sampler import Sampler, top_logprobs
 from lowbit.serve.sampling_params import SamplingParams
 from lowbit.serve.scheduler import Batch, Scheduler
-from lowbit.serve.sequence import Sequence
+from lowbit.serve.sequence import PENDING, Sequence
 
 
 class ContextLengthError(ValueError):
@@ -35,9 +36,41 @@ class Request:
     max_tokens: int
     prompt_token_ids: list[int]  # shared by every RequestOutput of the request: never mutated
     stream: bool  # False: only the final output is built
+    overlappable: bool  # its steps can run one ahead of the host: no logprobs of any kind, max_tokens > 0
     arrival: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
     num_sent_tokens: int = 0  # completion tokens already reported in a RequestOutput
+
+
+@dataclass
+class InFlight:
+    """A launched step whose sampled tokens are still on the device (overlapped steps)."""
+    batch: Batch
+    sampled: list[tuple[Sequence, int]]  # (sequence, index of its PENDING token in token_ids), in sampling order
+    tokens: torch.Tensor | None  # [len(sampled)] int64 on the device
+    host: torch.Tensor | None = field(init=False, default=None)  # the same, copied to (pinned) host memory
+    copied: torch.cuda.Event | None = field(init=False, default=None)
+
+    def __post_init__(self):
+        if self.tokens is not None and self.tokens.is_cuda:  # start the copy now; token_ids() waits for it
+            self.host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self.host.copy_(self.tokens, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def token_ids(self) -> list[int]:
+        if self.copied is None:
+            return self.tokens.tolist()
+        self.copied.synchronize()
+        return self.host.tolist()
+
+
+def _without_finished(batch: Batch) -> Batch | None:
+    """The batch less the sequences that finished since it was planned (their blocks are freed)."""
+    if not any(s.is_finished for s in batch.seqs):
+        return batch
+    kept = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if not s.is_finished]
+    return Batch([s for s, _ in kept], [n for _, n in kept]) if kept else None
 
 
 class Engine:
@@ -61,6 +94,9 @@ class Engine:
         self.sampler = Sampler()
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
+        self.overlap = self.config.overlap_steps if self.config.overlap_steps is not None else \
+            self.runner.device.type == "cuda"
+        self.in_flight: InFlight | None = None
         self._seed = random.Random(self.config.seed)
         _freeze_startup_heap()
 
@@ -86,7 +122,8 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seed.getrandbits(63)
         seq = Sequence(ids, params, request_id)
         detokenizer = Detokenizer(self.tokenizer, ids, params.stop, self.decode, once=not stream)
-        self.requests[request_id] = Request(seq, text, detokenizer, seed, max_tokens, ids, stream)
+        overlappable = params.logprobs is None and params.prompt_logprobs is None and max_tokens > 0
+        self.requests[request_id] = Request(seq, text, detokenizer, seed, max_tokens, ids, stream, overlappable)
         self.metrics.prompt_tokens += len(ids)
         self.scheduler.add(seq)
 
@@ -97,13 +134,29 @@ class Engine:
             self.metrics.on_finish("abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None
 
     # ---- one step
     def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step; returns the outputs of the requests that changed. With overlapped steps the
+        step is only launched, and the outputs are those of the previous step, whose tokens the device has sampled
+        meanwhile: the host schedules and prepares step n+1 while the device computes step n."""
         batch = self.scheduler.schedule()
-        if batch is None:
-            return []
+        if batch is not None and not (self.overlap and all(self.requests[s.request_id].overlappable
+                                                           for s in batch.seqs)):
+            outputs = self._resolve()  # the in-flight tokens may finish sequences of this batch
+            batch = _without_finished(batch)
+            return outputs + (self._step_now(batch) if batch is not None else [])
+        launched = self._launch(batch) if batch is not None else None
+        outputs = self._resolve()
+        self.in_flight = launched
+        if launched is not None:  # every token of its full blocks is known now
+            self.scheduler.commit_full_blocks(launched.batch.seqs)
+        return outputs
+
+    def _step_now(self, batch: Batch) -> list[RequestOutput]:
+        """A step whose tokens the host needs at once (logprobs, prompt logprobs, max_tokens=0), or any step
+        without overlap."""
         rows = self._logit_rows(batch)
         logits = self.runner.run(batch, rows)
         last_rows = self._record_prompt_logprobs(batch, rows, logits)
@@ -122,6 +175,51 @@ class Engine:
             changed += [s for s, _ in sampled]
         self.metrics.on_step(len(sampled))
         return [self._output(s) for s in changed if s.is_finished or self.requests[s.request_id].stream]
+
+    def _launch(self, batch: Batch) -> "InFlight":
+        """Queues the batch and its sampling on the device; each sampling sequence gets a PENDING token."""
+        rows = self._logit_rows(batch)
+        pending = None
+        if self.in_flight is not None and self.in_flight.sampled:
+            row_of = {seq.seq_id: i for i, (seq, _) in enumerate(self.in_flight.sampled)}
+            pending = PendingTokens(self.in_flight.tokens, np.fromiter(
+                (row_of.get(s.seq_id, -1) for s in batch.seqs), np.int64, len(batch.seqs)))
+        logits = self.runner.run(batch, rows, pending)
+        last_rows = self._record_prompt_logprobs(batch, rows, logits)
+        self.scheduler.update(batch, commit=False)
+        sampled = [(seq, row) for seq, row in zip(batch.seqs, last_rows) if row is not None]
+        if not sampled:
+            return InFlight(batch, [], None)
+        assert len(sampled) == logits.shape[0]  # no prompt logprobs here: the logits rows are the sampling rows
+        seqs = [seq for seq, _ in sampled]
+        tokens = self.sampler.sample(logits, [s.params for s in seqs], [self.requests[s.request_id].seed
+                                                                        for s in seqs], [s.num_tokens for s in seqs])
+        placed = []
+        for seq in seqs:
+            placed.append((seq, seq.num_tokens))
+            seq.append_token(PENDING)
+            seq.stopping = seq.num_completion_tokens >= self.requests[seq.request_id].max_tokens
+        return InFlight(batch, placed, tokens)
+
+    def _resolve(self) -> list[RequestOutput]:
+        """Reads the in-flight step's tokens (waiting for the device) into their sequences; returns the outputs."""
+        step, self.in_flight = self.in_flight, None
+        if step is None or not step.sampled:
+            return []
+        tokens = step.token_ids()
+        now = time.monotonic()
+        changed = []
+        for (seq, index), token in zip(step.sampled, tokens):
+            request = self.requests.get(seq.request_id)
+            if request is None or seq.is_finished:  # aborted, or finished by its previous token
+                continue
+            seq.token_ids[index] = token
+            self._on_token(seq, request, token, now, index + 1 - seq.num_prompt_tokens)
+            if seq.is_finished:
+                del seq.token_ids[index + 1:]  # the token launched after this one, if any, is not part of it
+            changed.append((seq, index + 1 - seq.num_prompt_tokens))
+        self.metrics.on_step(len(changed))
+        return [self._output(s, n) for s, n in changed if s.is_finished or self.requests[s.request_id].stream]
 
     def _logit_rows(self, batch: Batch) -> list[list[int]]:
         """Per sequence, the offsets within its new tokens whose logits are wanted."""
@@ -168,33 +266,39 @@ class Engine:
             self._append(seq, request, token, lp, now)
 
     def _append(self, seq: Sequence, request: Request, token: int, logprob, now: float) -> None:
+        seq.append_token(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        self._on_token(seq, request, token, now, seq.num_completion_tokens)
+
+    def _on_token(self, seq: Sequence, request: Request, token: int, now: float, num_completion: int) -> None:
+        """The host learnt the sequence's completion token number `num_completion`: latency, text, stop checks."""
         if request.last_token_time is None:
             self.metrics.ttft.observe(now - request.arrival)
         else:
             self.metrics.itl.observe(now - request.last_token_time)
         request.last_token_time = now
-        seq.append_token(token)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
         p = seq.params
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
             self._finish(seq, "stop")
         elif request.detokenizer.add(token):
             self._finish(seq, "stop")
-        elif seq.num_completion_tokens >= request.max_tokens:
+        elif num_completion >= request.max_tokens:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         self.metrics.on_finish(reason)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence, num_known: int | None = None) -> RequestOutput:
         """What is new since the request's last output, in O(new): cumulative text / ids / logprobs only once
-        finished; until then outputs[0] holds the delta too (see outputs.py)."""
+        finished; until then outputs[0] holds the delta too (see outputs.py). num_known: completion tokens the host
+        knows (default: all; a PENDING one may follow them)."""
         request = self.requests[seq.request_id]
         finished, sent = seq.is_finished, request.num_sent_tokens
-        request.num_sent_tokens = seq.num_completion_tokens
-        delta_ids = seq.token_ids[seq.num_prompt_tokens + sent:]
+        num_known = seq.num_completion_tokens if num_known is None else num_known
+        request.num_sent_tokens = num_known
+        delta_ids = seq.token_ids[seq.num_prompt_tokens + sent:seq.num_prompt_tokens + num_known]
         delta_logprobs = seq.logprobs[sent:]
         delta_text = request.detokenizer.take(finished)
         wants_logprobs = seq.params.logprobs is not None

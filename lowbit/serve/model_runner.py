@@ -1,4 +1,5 @@
 """Runs one scheduled step: flattens the batch into the model's inputs and the step context, returns logits."""
+from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
@@ -62,8 +63,10 @@ class ModelRunner:
             budget = _available_ram() * (self.config.kv_cache_fraction or 0.05)
         return max(1, int(budget // self.block_bytes))
 
-    def prepare(self, batch: Batch, logit_rows: list[list[int]]) -> tuple[torch.Tensor, StepContext]:
-        """logit_rows[i]: offsets within seq i's new tokens whose logits are wanted."""
+    def prepare(self, batch: Batch, logit_rows: list[list[int]], pending: "PendingTokens | None" = None
+                ) -> tuple[torch.Tensor, StepContext]:
+        """logit_rows[i]: offsets within seq i's new tokens whose logits are wanted. pending: where the sequences
+        whose newest token is still on the device (token_ids[-1] == PENDING) find it."""
         seqs, counts, bs = batch.seqs, batch.num_new_tokens, self.config.block_size
         tables = self.block_tables.gather(seqs)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
@@ -84,7 +87,15 @@ class ModelRunner:
             logits_indices = qsl[:-1]
         else:
             logits_indices = np.array([q + r for q, rows in zip(qsl.tolist(), logit_rows) for r in rows], np.int64)
-        ids, positions, slots, logits_indices = self._upload([input_ids, positions, slots, logits_indices], np.int64)
+        if pending is None:
+            ids, positions, slots, logits_indices = self._upload([input_ids, positions, slots, logits_indices],
+                                                                 np.int64)
+        else:  # the newest token of sequence i is the last of its new tokens
+            source = np.full(len(input_ids), -1, np.int64)
+            source[qsl[1:] - 1] = pending.rows
+            ids, positions, slots, logits_indices, source = self._upload(
+                [input_ids, positions, slots, logits_indices, source], np.int64)
+            ids = torch.where(source >= 0, pending.tokens[source.clamp(min=0)], ids)
         qsl, ctx_lens, tables = self._upload([qsl, ctx_lens, tables], np.int32)
         ctx = StepContext(positions=positions, slot_mapping=slots, query_start_loc=qsl, context_lens=ctx_lens,
                           block_tables=tables, logits_indices=logits_indices, is_decode=batch.is_decode,
@@ -100,15 +111,24 @@ class ModelRunner:
         return [t.view(a.shape) for t, a in zip(flat.split(sizes), arrays)]
 
     @torch.inference_mode()
-    def run(self, batch: Batch, logit_rows: list[list[int]]) -> torch.Tensor:
-        """Computes the batch's new tokens (K/V into the cache); returns float32 logits [sum(len(rows)), V]."""
-        input_ids, ctx = self.prepare(batch, logit_rows)
+    def run(self, batch: Batch, logit_rows: list[list[int]], pending: "PendingTokens | None" = None
+            ) -> torch.Tensor:
+        """Computes the batch's new tokens (K/V into the cache); returns float32 logits [sum(len(rows)), V].
+        Queues the work without waiting for the device."""
+        input_ids, ctx = self.prepare(batch, logit_rows, pending)
         if self.graphs is not None and self.graphs.can_run(ctx) and len(ctx.logits_indices) == len(input_ids):
             return self.graphs.run(input_ids, ctx)
         hidden = self.model(input_ids, ctx)
         if len(ctx.logits_indices) < len(input_ids):  # else every row, in order
             hidden = hidden[ctx.logits_indices]
         return self.model.compute_logits(hidden)
+
+
+@dataclass
+class PendingTokens:
+    """Input tokens that the previous step sampled and the host does not know yet."""
+    tokens: torch.Tensor  # [S] int64 on the device: the previous step's sampled tokens
+    rows: np.ndarray  # [len(batch.seqs)] int64: sequence i's newest token is tokens[rows[i]], or -1: on the host
 
 
 class BlockTables:

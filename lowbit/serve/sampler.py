@@ -35,18 +35,18 @@ def truncate(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Ten
     top-k keeps the k best ranks; top-p the smallest prefix (by rank) whose probability reaches p."""
     v = x.shape[-1]
     sorted_x, order = x.sort(dim=-1, descending=True)
-    k = torch.tensor([k if 0 < k < v else v for k in top_k], device=x.device)
+    k = _on(x.device, [k if 0 < k < v else v for k in top_k], torch.int64)
     sorted_x = sorted_x.masked_fill(torch.arange(v, device=x.device)[None, :] >= k[:, None], float("-inf"))
     if any(p < 1.0 for p in top_p):
         probs = sorted_x.softmax(-1)
-        p = torch.tensor(top_p, device=x.device, dtype=probs.dtype)
+        p = _on(x.device, top_p, probs.dtype)
         sorted_x = sorted_x.masked_fill(probs.cumsum(-1) - probs > p[:, None], float("-inf"))
     return torch.empty_like(x).scatter_(1, order, sorted_x)
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]) -> torch.Tensor:
     """logits [R, V] float32 of non-greedy rows, one 63-bit seed per row -> token ids [R] (on logits' device)."""
-    temperature = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
+    temperature = _on(logits.device, [p.temperature for p in params], logits.dtype)
     x = logits / temperature[:, None]
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         x = truncate(x, [p.top_k for p in params], [p.top_p for p in params])
@@ -54,16 +54,30 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
     return (probs / exponential_noise(seeds, logits.shape[-1], logits.device)).argmax(-1)
 
 
+def _on(device, values: list, dtype) -> torch.Tensor:
+    """A small host list on `device` without waiting for the device (work queued before it keeps running): through
+    pinned memory, which the caching host allocator does not hand out again before the copy has run."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
 class Sampler:
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]):
-        """logits [S, V] float32; per row the request's seed and the position of the token being chosen
-        -> (token ids [S] list, per row (logprob, top) or None when not requested)."""
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
+               ) -> torch.Tensor:
+        """logits [S, V] float32; per row the request's seed and the position of the token being chosen -> token
+        ids [S] int64 on logits' device. Never waits for the device, so the host can go on while it samples."""
         tokens = logits.argmax(dim=-1)
         rows = [r for r, p in enumerate(params) if not p.greedy]
         if rows:
-            chosen = sample_rows(logits[rows], [params[r] for r in rows],
+            index = _on(logits.device, rows, torch.int64)
+            chosen = sample_rows(logits.index_select(0, index), [params[r] for r in rows],
                                  [step_seed(seeds[r], positions[r]) for r in rows])
-            tokens[rows] = chosen
+            tokens.index_copy_(0, index, chosen)
+        return tokens
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]):
+        """As `sample`, then on the host: (token ids [S] list, per row (logprob, top) or None when not requested)."""
+        tokens = self.sample(logits, params, seeds, positions)
         want = [r for r, p in enumerate(params) if p.logprobs is not None]
         logprobs: list = [None] * len(params)
         if want:

@@ -72,8 +72,8 @@ class Scheduler:
         for seq in sorted(self.running, key=attrgetter("in_prefill")):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this step
+            if seq.status is not SequenceStatus.RUNNING or seq.stopping:
+                continue  # preempted earlier in this step, or its last token is in flight
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.has_room(seq, n):  # a decode needs a new block once every block_size steps
                 while not self.block_manager.can_append(seq, n):
@@ -100,12 +100,19 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update(self, batch: Batch) -> None:
-        """After the step ran: the planned tokens are computed."""
-        bs = self.block_manager.block_size
+    def update(self, batch: Batch, commit: bool = True) -> None:
+        """After the step ran (or was launched): the planned tokens are computed. commit=False: the caller commits
+        the blocks that became full later (`commit_full_blocks`), once every token in them is known."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * bs:  # a block became full
+        if commit:
+            self.commit_full_blocks(batch.seqs)
+
+    def commit_full_blocks(self, seqs: list[Sequence]) -> None:
+        """Makes the blocks that became full and computed findable by later prompts (finished sequences skipped)."""
+        bs = self.block_manager.block_size
+        for seq in seqs:
+            if seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * bs and not seq.is_finished:
                 self.block_manager.commit(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:

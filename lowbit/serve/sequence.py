@@ -5,6 +5,9 @@ from itertools import count
 from lowbit.serve.sampling_params import SamplingParams
 
 
+PENDING = -1  # a sampled token still on the GPU (overlapped steps): its slot in token_ids, filled one step later
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -27,6 +30,7 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading blocks of block_table registered for prefix reuse
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        self.stopping = False  # its last token (by max_tokens) is being computed: schedule it no more
         # logprobs: one entry per token, {token_id: logprob} holding the chosen token and the top-N
         self.prompt_logprobs: list[dict[int, float] | None] = [None] if params.prompt_logprobs is not None else []
         self.logprobs: list[dict[int, float]] = []
