@@ -1,14 +1,14 @@
-"""Where a 1024 x 128/128 maximum-load run spends its steps (fp8 dummy Llama-3.1-8B, batch 256): a histogram of
-step wall times, and the model run (with a sync) and scheduling time per step. GPU only:
-`python3 bench/step_profile.py [--format fp8]`."""
+"""Where a maximum-load run spends its steps (dummy Llama-3.1-8B, 1024 x 128/128 by default): a histogram of step
+wall times, and per step the host's own time against the time it waits for the device's sampled tokens. With
+overlapped steps the host works while the device computes, so a step that waits ~0 ms is host-bound and one that
+waits is device-bound. GPU only: `python3 bench/step_profile.py [--format fp8] [--max-batch-size 512]`."""
 import argparse
 import collections
 import importlib.util
 import time
 from pathlib import Path
 
-import torch
-
+from lowbit.serve import engine as engine_module
 from lowbit.serve.sampling_params import SamplingParams
 
 
@@ -19,41 +19,59 @@ def load_serve_bench():
     return module
 
 
-def timed(fn, totals, key, sync=False):
+def timed(fn, totals, key):
     def wrapper(*args):
         start = time.perf_counter()
         out = fn(*args)
-        if sync:
-            torch.cuda.synchronize()
         totals[key] += time.perf_counter() - start
         return out
     return wrapper
 
 
+def run(engine, requests: int, isl: int, osl: int, seed: int) -> dict:
+    """All requests at once; per step wall time, of which waiting for the device, scheduling, launching."""
+    totals = collections.Counter()
+    in_flight_tokens = engine_module.InFlight.token_ids
+    engine_module.InFlight.token_ids = timed(in_flight_tokens, totals, "wait")
+    schedule, launch = engine.scheduler.schedule, engine._launch
+    engine.scheduler.schedule = timed(schedule, totals, "schedule")
+    engine._launch = timed(launch, totals, "launch")
+    try:
+        params = SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
+        sb = load_serve_bench()
+        for i, prompt in enumerate(sb.random_prompts(requests, isl, engine.runner.model.config["vocab_size"], seed)):
+            engine.add_request(f"p{seed}-{i}", prompt, params)
+        histogram, steps, start = collections.Counter(), 0, time.perf_counter()
+        while engine.has_unfinished():
+            step_start = time.perf_counter()
+            engine.step()
+            histogram[2 * round(500 * (time.perf_counter() - step_start))] += 1  # 2 ms buckets
+            steps += 1
+        total = time.perf_counter() - start
+    finally:
+        engine_module.InFlight.token_ids = in_flight_tokens
+        engine.scheduler.schedule, engine._launch = schedule, launch
+    per_step = {k: round(1e3 * v / steps, 3) for k, v in totals.items()}
+    return {"steps": steps, "seconds": round(total, 2), "output_tok_s": round(requests * osl / total),
+            "ms_per_step": round(1e3 * total / steps, 3), "ms_per_step_parts": per_step,
+            "histogram_ms": dict(sorted(histogram.items()))}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--format", default="fp8")
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--requests", type=int, default=1024)
+    p.add_argument("--isl", type=int, default=128)
+    p.add_argument("--osl", type=int, default=128)
     a = p.parse_args(argv)
     sb = load_serve_bench()
-    engine = sb.build_engine(sb.parse([]), a.format)
-    totals = collections.Counter()
-    engine.runner.run = timed(engine.runner.run, totals, "run", sync=True)
-    engine.scheduler.schedule = timed(engine.scheduler.schedule, totals, "schedule")
-    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
-    for i, prompt in enumerate(sb.random_prompts(1024, 128, engine.runner.model.config["vocab_size"], seed=1)):
-        engine.add_request(f"r{i}", prompt, params)
-    histogram, steps, start = collections.Counter(), 0, time.perf_counter()
-    while engine.has_unfinished():
-        step_start = time.perf_counter()
-        engine.step()
-        histogram[5 * round(200 * (time.perf_counter() - step_start))] += 1  # 5 ms buckets
-        steps += 1
-    total = time.perf_counter() - start
-    print(f"{a.format}: {steps} steps in {total:.2f} s = {1024 * 128 / total:.0f} output tok/s; per step "
-          f"{1e3 * total / steps:.2f} ms, model run (+sync) {1e3 * totals['run'] / steps:.2f} ms, "
-          f"schedule {1e3 * totals['schedule'] / steps:.2f} ms")
-    for bucket, count in sorted(histogram.items()):
-        print(f"  steps of ~{bucket} ms: {count}")
+    engine = sb.build_engine(sb.parse(["--max-batch-size", str(a.max_batch_size)]), a.format)
+    run(engine, min(a.requests, 2 * a.max_batch_size), a.isl, 32, seed=5)  # warm-up: Triton compiles
+    for overlap in (True, False):
+        engine.overlap = overlap
+        res = run(engine, a.requests, a.isl, a.osl, seed=1)
+        print(f"{a.format} batch {a.max_batch_size} overlap={overlap}: {res}", flush=True)
 
 
 if __name__ == "__main__":
