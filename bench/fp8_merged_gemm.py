@@ -1,7 +1,8 @@
 """FP8 merged q/k/v and gate/up GEMM options on the GPU: per-tensor FP8 activations times FP8 weights with one
 scale per output row (what a merged layer of per-tensor parts carries). Options: the parts as separate per-tensor
-`_scaled_mm` calls, cuBLAS row-wise, lowbit's Triton scaled GEMM, and per-tensor `_scaled_mm` into fp32 followed by
-the row scales (lowbit's pick up to w8a8.PER_TENSOR_THEN_SCALE_MAX_M); bf16 cuBLAS for scale. Error vs the fp32
+`_scaled_mm` calls, cuBLAS row-wise, lowbit's Triton scaled GEMM, per-tensor `_scaled_mm` into fp32 followed by
+the row scales (lowbit's pick off Hopper up to w8a8.PER_TENSOR_THEN_SCALE_MAX_M), lowbit's small-M FP8 GEMM
+(fp8_small_m, M <= 32) and `lowbit` = what w8a8.scaled_mm dispatches to; bf16 cuBLAS for scale. Error vs the fp32
 reference and median us (CUDA-graph replays over weight copies beyond L2, as bench/kernels.py times).
 
 `python3 bench/fp8_merged_gemm.py [--json FILE]`
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lowbit.kernels import fp8_small_m as fsm
 from lowbit.kernels import scaled_gemm as sg
 from lowbit.kernels import w8a8
 
@@ -36,7 +38,8 @@ def fp8(t: torch.Tensor) -> torch.Tensor:
 def options(x, sa, row_scale, parts, one):
     """name -> op(weight) for one merged weight [N, K]."""
     m = x.shape[0]
-    return {
+    small_m = {"fp8_small_m": lambda w: fsm.fp8_small_m_gemm(x, w, sa, row_scale, None, torch.bfloat16)}
+    return ({} if m > fsm.MAX_M else small_m) | {
         "separate": lambda w: [torch._scaled_mm(x, p.t(), scale_a=sa, scale_b=one, out_dtype=torch.bfloat16)
                                for p in w.split(parts)],
         "rowwise": lambda w: torch._scaled_mm(x, w.t(), scale_a=sa.expand(m, 1).contiguous(),

@@ -2,12 +2,16 @@
 INT8 SmoothQuant (smoothing + static per-tensor or dynamic per-token int8 activations, per-channel weights).
 
 Activations are quantized by one fused Triton pass (act_quant), then
-- FP8: torch._scaled_mm (cuBLASLt) with per-tensor or row-wise scales, or the Triton scaled GEMM where it cannot run;
+- FP8 at small M (decode): lowbit's Triton small-M GEMM (fp8_small_m), scales and bias in the same launch;
+- FP8 otherwise: torch._scaled_mm (cuBLASLt) with per-tensor or row-wise scales, or the Triton scaled GEMM where it
+  cannot run;
 - INT8: the Triton int8 GEMM with a per-token x per-channel epilogue (scaled_gemm).
 """
 import torch
 
+from lowbit.kernels._triton import on_gpu
 from lowbit.kernels.act_quant import act_quant, act_quant_ref
+from lowbit.kernels.fp8_small_m import fp8_small_m_gemm
 from lowbit.kernels.scaled_gemm import scaled_gemm, scaled_gemm_ref
 
 
@@ -17,8 +21,9 @@ def scaled_mm_applies(q: torch.Tensor, w: torch.Tensor) -> bool:
             and q.shape[1] % 16 == 0 and w.shape[0] % 16 == 0)
 
 
-# Static FP8 with per-row weight scales (merged q/k/v, gate/up): up to this M, the per-tensor GEMM into fp32 and then
-# the column scales beats cuBLAS's row-wise kernel (H200, 2026-11-30: qkv M=1 12.8 vs 19.1 us, gate_up 33.9 vs 45.5).
+# Static FP8 with per-row weight scales (merged q/k/v, gate/up) where fp8_small_m does not run: up to this M, the
+# per-tensor GEMM into fp32 and then the column scales beats cuBLAS's row-wise kernel
+# (H200, 2026-11-30: qkv M=1 12.8 vs 19.1 us, gate_up 33.9 vs 45.5).
 PER_TENSOR_THEN_SCALE_MAX_M = 32
 _ONES: dict = {}
 
@@ -35,8 +40,30 @@ def _per_tensor_then_column_scale(q, w, scale_a, scale_b, bias, out_dtype):
     return torch.addcmul(bias.float().reshape(1, -1), y, col, out=out)
 
 
+# Largest M routed to fp8_small_m, by scale kind (H200, 2026-11-30, docs/kernels_notes.md "FP8 small-M GEMM"):
+# per-row weight scales: faster than the fp32 route up to M = 32 (qkv 9.1 vs 12.3 us at M = 1); per-token x scales:
+# faster than cuBLAS row-wise (7.6 vs 14.6 us, 4096->4096); per-tensor: 14336->4096 9-13% faster than _scaled_mm up
+# to M = 24 (slower at 32), 4096->4096 within -3%..+1%.
+SMALL_M_MAX = {"per_tensor": 24, "per_row": 32, "per_token": 32}
+
+
+def scale_kind(scale_a, scale_b) -> str:
+    if scale_a.numel() > 1:
+        return "per_token"
+    return "per_row" if scale_b.numel() > 1 else "per_tensor"
+
+
+def small_m_applies(q, w, scale_a, scale_b) -> bool:
+    """fp8_small_m runs on Hopper (fp8 wgmma; measured on the H200 only) up to SMALL_M_MAX rows."""
+    return (on_gpu(q) and q.dtype == torch.float8_e4m3fn and w.dtype == torch.float8_e4m3fn
+            and q.shape[0] <= SMALL_M_MAX[scale_kind(scale_a, scale_b)]
+            and torch.cuda.get_device_capability(q.device) >= (9, 0))
+
+
 def scaled_mm(q, w, scale_a, scale_b, bias, out_dtype):
     """q [M, K] fp8, w [N, K] fp8; scale_a [] or [M, 1]; scale_b [] or [N]."""
+    if small_m_applies(q, w, scale_a, scale_b):
+        return fp8_small_m_gemm(q, w, scale_a, scale_b, bias, out_dtype)
     if scale_a.numel() == 1 and scale_b.numel() == 1:
         return torch._scaled_mm(q, w.t(), scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()),
                                 bias=bias.to(out_dtype) if bias is not None else None, out_dtype=out_dtype)
@@ -64,6 +91,8 @@ def w8a8_linear(x, w, w_scale, input_scale=None, smooth=None, bias=None):
 
 def w8a8_linear_prequantized(q, w, w_scale, scale_a, bias, out_dtype):
     """q [M, K] already quantized (x ~= q * scale_a), e.g. by a producer kernel's fp8 epilogue."""
+    if small_m_applies(q, w, scale_a, w_scale):  # also where K or N is no multiple of 16
+        return fp8_small_m_gemm(q, w, scale_a, w_scale, bias, out_dtype)
     if scaled_mm_applies(q, w):
         return scaled_mm(q, w, scale_a, w_scale, bias, out_dtype)
     return scaled_gemm(q, w, scale_a, w_scale, bias, out_dtype)
