@@ -5,11 +5,13 @@ waits is device-bound. GPU only: `python3 bench/step_profile.py [--format fp8] [
 import argparse
 import collections
 import importlib.util
+import sys
 import time
 from pathlib import Path
 
-from lowbit.serve import engine as engine_module
-from lowbit.serve.sampling_params import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lowbit.serve import engine as engine_module  # noqa: E402
+from lowbit.serve.sampling_params import SamplingParams  # noqa: E402
 
 
 def load_serve_bench():

@@ -6,7 +6,8 @@ merged q/k/v, gate/up, or per-channel checkpoints); bias [N] or None; fp32 accum
 Accuracy: tl.dot's Hopper default for fp8 (max_num_imprecise_acc 2**30) lets wgmma accumulate all of K at its reduced
 internal precision: rel. error vs the fp32 reference up to 2.8e-3 on the H200 (the cuBLAS routes: 0.7e-3), enough to
 move the engine's FP8 greedy picks past the end-to-end check's tie bar (benchmarks.md run 9). So the dot promotes
-to fp32 after every 32-wide wgmma (max_num_imprecise_acc=32), as cuBLAS's default (non fast-accum) mode does.
+to fp32 every PROMOTE_K elements of K (tl.dot's max_num_imprecise_acc; one fp8 wgmma is 32 wide), as cuBLAS's
+default (non fast-accum) mode does.
 
 Swap-AB on the tensor cores: out^T[BLOCK_N, M_PAD] = W[BLOCK_N, BK] @ x^T[BK, M_PAD] per K step (fp8 wgmma, the
 weight tile is the 64-row side; M_PAD = 16 or 32), num_stages weight tiles in flight. Rows m >= M of x are not
@@ -25,6 +26,7 @@ import torch
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton
 
 MAX_M = 32
+PROMOTE_K = 32  # K elements the tensor core sums at its reduced precision before adding into fp32 (benchmarks.md run 9)
 COUNTER_SLOTS = 65536  # N tiles per launch (N <= 65536 * BLOCK_N)
 SMEM_BYTES = 220 * 1024  # of the H200's 227 KB per block, for the pipelined weight and x tiles
 
@@ -72,7 +74,7 @@ def _sum_partials(ws_ptr, offs_n, offs_m, M, N, parts, BLOCK_N: tl.constexpr, M_
 
 @helper
 def _tile_partial(x_ptr, w_ptr, M, N, K, tile, s_begin, s_end, EVEN_K: tl.constexpr, DOT_FP16: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, PROMOTE_K: tl.constexpr):
     """[BLOCK_N, M_PAD] fp32 = sum over K steps s_begin <= s < s_end of W[tile rows, step s] @ x^T[step s]."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
@@ -95,7 +97,7 @@ def _tile_partial(x_ptr, w_ptr, M, N, K, tile, s_begin, s_end, EVEN_K: tl.conste
         if DOT_FP16:  # interpreter tests of the same code path; fp8 -> fp16 is exact
             acc = tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
         else:
-            acc = tl.dot(w, xt, acc, max_num_imprecise_acc=32)  # fp32 promotion after every 32-wide wgmma
+            acc = tl.dot(w, xt, acc, max_num_imprecise_acc=PROMOTE_K)  # fp32 promotion every PROMOTE_K of K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     return acc
@@ -125,7 +127,7 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, ws_ptr,
                         n_tiles, steps_per_tile, units_per_program,
                         SA_PER_ROW: tl.constexpr, SB_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                         EVEN_K: tl.constexpr, DOT_FP16: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, PROMOTE_K: tl.constexpr):
     # work unit u = tile * steps_per_tile + K step; program p owns units [p * U, (p + 1) * U) (U units_per_program),
     # i.e. one or more tile segments; a tile split between programs is finished by the last of them to arrive
     pid = tl.program_id(0)
@@ -138,7 +140,7 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, ws_ptr,
         s_begin = tl.maximum(u_begin - tile * steps_per_tile, 0)
         s_end = tl.minimum(u_end - tile * steps_per_tile, steps_per_tile)
         acc = _tile_partial(x_ptr, w_ptr, M, N, K, tile, s_begin, s_end, EVEN_K, DOT_FP16,
-                            BLOCK_N, BLOCK_K, M_PAD)
+                            BLOCK_N, BLOCK_K, M_PAD, PROMOTE_K)
         owner_first = (tile * steps_per_tile) // units_per_program
         owner_last = ((tile + 1) * steps_per_tile - 1) // units_per_program
         if owner_first == owner_last:
@@ -232,5 +234,5 @@ def fp8_small_m_gemm(q, w, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16
         n_tiles, steps, units,
         SA_PER_ROW=scale_a.numel() > 1, SB_PER_ROW=scale_b.numel() > 1, HAS_BIAS=bias is not None,
         EVEN_K=K % block_k == 0, DOT_FP16=dot_fp16,
-        BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=m_pad, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=m_pad, PROMOTE_K=PROMOTE_K, num_warps=warps, num_stages=stages)
     return out
