@@ -35,11 +35,11 @@ def http(method: str, url: str, body: dict | None = None, key: str | None = None
 
 
 @contextmanager
-def serve(model: str, workdir, *args: str):
-    """`lowbit serve MODEL` on a free loopback port; yields its base URL."""
+def serve(model: str, workdir, *args: str, settings: str = ""):
+    """`lowbit serve MODEL` on a free loopback port; yields its base URL. settings: more engine settings (YAML)."""
     port = free_port()
     extra = workdir / "extra.yaml"
-    extra.write_text("num_kv_blocks: 256\n")
+    extra.write_text("num_kv_blocks: 256\n" + settings)
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     log_path = workdir / "server.log"
     with open(log_path, "w") as log:
@@ -63,9 +63,11 @@ def serve(model: str, workdir, *args: str):
             proc.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with serve(DEFAULT_MODEL, tmp_path_factory.mktemp("serve"), "--api-key", KEY, "--max-batch-size", "8") as base:
+@pytest.fixture(scope="module", params=[False, True], ids=["steps", "overlapped_steps"])
+def server(tmp_path_factory, request):
+    """The server as a CPU serves (one step at a time) and as a GPU does (the host a step behind the device)."""
+    with serve(DEFAULT_MODEL, tmp_path_factory.mktemp("serve"), "--api-key", KEY, "--max-batch-size", "8",
+               settings=f"overlap_steps: {str(request.param).lower()}\n") as base:
         yield base
 
 
