@@ -249,34 +249,32 @@ def greedy_with_logits(engine, prompts, osl, forced: list[list[int]] | None = No
     engine.runner.run, engine.sampler = recording, recording_sampler
     engine.overlap = False  # each step's logits and tokens are read as the step ends
     try:
-        params = SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
-        ids = [f"chk{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        for i, p in zip(ids, prompts):
-            engine.add_request(i, p, params)
-        tokens = {i: [] for i in ids}
-        while engine.has_unfinished():
-            for o in engine.step():
-                tokens[o.request_id] += o.delta_token_ids
+        tokens = greedy(engine, prompts, osl)
     finally:
         engine.runner.run, engine.sampler, engine.overlap = run, sampler, overlap
-    return [tokens[i] for i in ids], steps, picks
+    return tokens, steps, picks
+
+
+def greedy(engine, prompts, osl) -> list[list[int]]:
+    """The greedy completion tokens of each prompt, all requests at once."""
+    params = SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
+    ids = [f"greedy{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for i, p in zip(ids, prompts):
+        engine.add_request(i, p, params)
+    tokens = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens[o.request_id] += o.delta_token_ids
+    return [tokens[i] for i in ids]
 
 
 def greedy_overlapped(engine, prompts, osl) -> list[list[int]]:
     """The same requests with the host one step behind the device (the engine's default on a GPU)."""
     overlap, engine.overlap = engine.overlap, True
     try:
-        params = SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
-        ids = [f"ovl{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        for i, p in zip(ids, prompts):
-            engine.add_request(i, p, params)
-        tokens = {i: [] for i in ids}
-        while engine.has_unfinished():
-            for o in engine.step():
-                tokens[o.request_id] += o.delta_token_ids
+        return greedy(engine, prompts, osl)
     finally:
         engine.overlap = overlap
-    return [tokens[i] for i in ids]
 
 
 def check_format(args, fmt) -> dict:
