@@ -31,13 +31,18 @@ def timed(fn, totals, key):
 
 
 def run(engine, requests: int, isl: int, osl: int, seed: int) -> dict:
-    """All requests at once; per step wall time, of which waiting for the device, scheduling, launching."""
+    """All requests at once; per step wall time, of which waiting for the device, scheduling, launching (and
+    within launching: building the inputs, the graph replay call, queuing the sampler). GPU engines only."""
     totals = collections.Counter()
     in_flight_tokens = engine_module.InFlight.token_ids
     engine_module.InFlight.token_ids = timed(in_flight_tokens, totals, "wait")
     schedule, launch = engine.scheduler.schedule, engine._launch
+    prepare, replay, sample = engine.runner.prepare, engine.runner.graphs.run, engine.sampler.sample
     engine.scheduler.schedule = timed(schedule, totals, "schedule")
-    engine._launch = timed(launch, totals, "launch")
+    engine._launch = timed(launch, totals, "launch")  # of which:
+    engine.runner.prepare = timed(prepare, totals, "launch.prepare")
+    engine.runner.graphs.run = timed(replay, totals, "launch.graph_replay")
+    engine.sampler.sample = timed(sample, totals, "launch.sample")
     try:
         params = SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
         sb = load_serve_bench()
@@ -53,6 +58,7 @@ def run(engine, requests: int, isl: int, osl: int, seed: int) -> dict:
     finally:
         engine_module.InFlight.token_ids = in_flight_tokens
         engine.scheduler.schedule, engine._launch = schedule, launch
+        engine.runner.prepare, engine.runner.graphs.run, engine.sampler.sample = prepare, replay, sample
     per_step = {k: round(1e3 * v / steps, 3) for k, v in totals.items()}
     return {"steps": steps, "seconds": round(total, 2), "output_tok_s": round(requests * osl / total),
             "ms_per_step": round(1e3 * total / steps, 3), "ms_per_step_parts": per_step,
