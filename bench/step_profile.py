@@ -34,8 +34,8 @@ def run(engine, requests: int, isl: int, osl: int, seed: int) -> dict:
     """All requests at once; per step wall time, of which waiting for the device, scheduling, launching (and
     within launching: building the inputs, the graph replay call, queuing the sampler). GPU engines only."""
     totals = collections.Counter()
-    in_flight_tokens = engine_module.InFlight.token_ids
-    engine_module.InFlight.token_ids = timed(in_flight_tokens, totals, "wait")
+    in_flight_results = engine_module.InFlight.results
+    engine_module.InFlight.results = timed(in_flight_results, totals, "wait")
     schedule, launch = engine.scheduler.schedule, engine._launch
     prepare, replay, sample = engine.runner.prepare, engine.runner.graphs.run, engine.sampler.sample
     engine.scheduler.schedule = timed(schedule, totals, "schedule")
@@ -56,7 +56,7 @@ def run(engine, requests: int, isl: int, osl: int, seed: int) -> dict:
             steps += 1
         total = time.perf_counter() - start
     finally:
-        engine_module.InFlight.token_ids = in_flight_tokens
+        engine_module.InFlight.results = in_flight_results
         engine.scheduler.schedule, engine._launch = schedule, launch
         engine.runner.prepare, engine.runner.graphs.run, engine.sampler.sample = prepare, replay, sample
     per_step = {k: round(1e3 * v / steps, 3) for k, v in totals.items()}

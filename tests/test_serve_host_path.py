@@ -121,26 +121,27 @@ def test_outputs_carry_deltas_until_the_final_cumulative_one():
 
 
 def run_streamed(engine, requests, abort_after_steps=None):
-    """requests: (id, prompt, params) -> {id: (final output, concatenated delta ids, concatenated delta text)}."""
+    """requests: (id, prompt, params) -> {id: (final output, concatenated delta ids, delta text, delta logprobs)}."""
     for request_id, prompt, params in requests:
         engine.add_request(request_id, prompt, params)
     deltas, finals, steps = {}, {}, 0
     while engine.has_unfinished():
         for out in engine.step():
-            ids, text = deltas.get(out.request_id, ([], ""))
-            deltas[out.request_id] = (ids + out.delta_token_ids, text + out.delta_text)
+            ids, text, logprobs = deltas.get(out.request_id, ([], "", []))
+            deltas[out.request_id] = (ids + out.delta_token_ids, text + out.delta_text,
+                                      logprobs + out.delta_logprobs)
             if out.finished:
                 finals[out.request_id] = out
         steps += 1
         if steps == abort_after_steps:
             engine.abort("aborted")
-    return {i: (finals.get(i), *deltas.get(i, ([], ""))) for i, _, _ in requests}
+    return {i: (finals.get(i), *deltas.get(i, ([], "", []))) for i, _, _ in requests}
 
 
 def test_overlapped_steps_give_the_same_outputs():
     """The host running one step behind the device (PENDING tokens, stop decisions a step late) changes no output:
-    greedy and seeded sampling, stop tokens and strings, max_tokens, chunked prefill, prefix reuse, preemption, an
-    abort and a request whose prompt logprobs force steps without overlap."""
+    greedy and seeded sampling, logprobs, stop tokens and strings, max_tokens, chunked prefill, prefix reuse,
+    preemption, an abort and a request whose prompt logprobs force its prompt steps to run without overlap."""
     g = torch.Generator().manual_seed(1)
     shared = torch.randint(0, 512, (9,), generator=g).tolist()
     prompts = [shared + torch.randint(0, 512, (n,), generator=g).tolist() for n in (1, 20, 5, 30, 3, 12, 7)]
@@ -153,7 +154,7 @@ def test_overlapped_steps_give_the_same_outputs():
                 ("stop_text", prompts[0], SamplingParams(max_tokens=14, temperature=0, stop=[probe.text[5:7]])),
                 ("one", prompts[3], SamplingParams(max_tokens=1, temperature=0)),
                 ("aborted", prompts[4], greedy),
-                ("late", prompts[6], SamplingParams(max_tokens=9, temperature=0.7, seed=5)),
+                ("late", prompts[6], SamplingParams(max_tokens=9, temperature=0.7, seed=5, logprobs=2)),
                 ("logprobs", prompts[5], SamplingParams(max_tokens=5, temperature=0, prompt_logprobs=1))]
     expected = run_streamed(tiny_engine(overlap_steps=False, num_kv_blocks=16), requests, abort_after_steps=6)
     overlapped = tiny_engine(overlap_steps=True, num_kv_blocks=16)
@@ -161,11 +162,13 @@ def test_overlapped_steps_give_the_same_outputs():
     assert overlapped.scheduler.num_preemptions > 0 and overlapped.block_manager.num_hit_tokens > 0
     assert overlapped.block_manager.num_used_blocks == 0 and not overlapped.has_unfinished()
     for request_id in ("greedy", "sampled", "stop_id", "stop_text", "one", "logprobs", "late"):
-        final, ids, text = got[request_id]
+        final, ids, text, logprobs = got[request_id]
         want = expected[request_id][0].outputs[0]
         assert (final.outputs[0].token_ids, final.outputs[0].text, final.outputs[0].finish_reason) == \
             (want.token_ids, want.text, want.finish_reason), request_id
         assert ids == want.token_ids and text == want.text, request_id
+        assert final.outputs[0].logprobs == want.logprobs and logprobs == (want.logprobs or []), request_id
+    assert len(got["late"][0].outputs[0].logprobs) == 9 and len(got["late"][0].outputs[0].logprobs[0][1]) == 2
     assert got["stop_id"][0].outputs[0].finish_reason == "stop" == got["stop_text"][0].outputs[0].finish_reason
     assert got["aborted"][0] is None and expected["aborted"][0] is None
     assert PENDING not in got["greedy"][0].outputs[0].token_ids
@@ -181,3 +184,19 @@ def test_overlapped_steps_stop_scheduling_a_sequence_whose_last_token_is_in_flig
         outs += engine.step()
     assert runs == [[10], [1], [1], [1]]  # the prompt, then 3 decodes: the 4th token needs no further step
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+
+
+def test_overlapped_steps_keep_overlapping_for_logprobs_and_after_prompt_scoring():
+    """Only steps that score a prompt (prompt logprobs, max_tokens=0) need the logits on the host at once; sampled
+    tokens' logprobs come back with the tokens."""
+    engine = tiny_engine(overlap_steps=True, num_kv_blocks=64)
+    kinds, launch, step_now = [], engine._launch, engine._step_now
+    engine._launch = lambda batch: kinds.append("overlapped") or launch(batch)
+    engine._step_now = lambda batch: kinds.append("at once") or step_now(batch)
+    run_streamed(engine, [("lp", list(range(40, 50)), SamplingParams(max_tokens=5, temperature=0, logprobs=3))])
+    assert kinds == ["overlapped"] * 5
+    kinds.clear()
+    params = SamplingParams(max_tokens=5, temperature=0, prompt_logprobs=1)
+    out = run_streamed(engine, [("plp", list(range(60, 70)), params)])["plp"][0]
+    assert kinds == ["at once"] + ["overlapped"] * 4 and len(out.prompt_logprobs) == 10
+    assert not engine.scoring

@@ -17,7 +17,7 @@ from lowbit.serve.detokenizer import Detokenizer, decoder
 from lowbit.serve.metrics import EngineMetrics
 from lowbit.serve.model_runner import ModelRunner, PendingTokens
 from lowbit.serve.outputs import CompletionOutput, RequestOutput
-from lowbit.serve.sampler import Sampler, top_logprobs
+from lowbit.serve.sampler import SampledLogprobs, Sampler, sampled_logprobs, top_logprobs
 from lowbit.serve.sampling_params import SamplingParams
 from lowbit.serve.scheduler import Batch, Scheduler
 from lowbit.serve.sequence import PENDING, Sequence
@@ -36,7 +36,6 @@ class Request:
     max_tokens: int
     prompt_token_ids: list[int]  # shared by every RequestOutput of the request: never mutated
     stream: bool  # False: only the final output is built
-    overlappable: bool  # its steps can run one ahead of the host: no logprobs of any kind, max_tokens > 0
     arrival: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
     num_sent_tokens: int = 0  # completion tokens already reported in a RequestOutput
@@ -44,25 +43,32 @@ class Request:
 
 @dataclass
 class InFlight:
-    """A launched step whose sampled tokens are still on the device (overlapped steps)."""
+    """A launched step whose sampled tokens (and logprobs) are still on the device (overlapped steps)."""
     batch: Batch
     sampled: list[tuple[Sequence, int]]  # (sequence, index of its PENDING token in token_ids), in sampling order
     tokens: torch.Tensor | None  # [len(sampled)] int64 on the device
-    host: torch.Tensor | None = field(init=False, default=None)  # the same, copied to (pinned) host memory
+    logprobs: SampledLogprobs | None = None
+    host: list[torch.Tensor] = field(init=False, default_factory=list)  # the tensors, copied to pinned memory
     copied: torch.cuda.Event | None = field(init=False, default=None)
 
     def __post_init__(self):
-        if self.tokens is not None and self.tokens.is_cuda:  # start the copy now; token_ids() waits for it
-            self.host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
-            self.host.copy_(self.tokens, non_blocking=True)
+        self.host = [self.tokens, *(self.logprobs.tensors if self.logprobs else ())] if self.tokens is not None else []
+        if self.host and self.tokens.is_cuda:  # start the copies now; results() waits for them
+            self.host = [_pinned_copy(t) for t in self.host]
             self.copied = torch.cuda.Event()
             self.copied.record()
 
-    def token_ids(self) -> list[int]:
-        if self.copied is None:
-            return self.tokens.tolist()
-        self.copied.synchronize()
-        return self.host.tolist()
+    def results(self) -> tuple[list[int], list]:
+        """(token ids, per sampled row (logprob, top) or None), waiting for the device."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        tokens, *logprobs = (t.tolist() for t in self.host)
+        return tokens, self.logprobs.entries(len(tokens), *logprobs) if self.logprobs else [None] * len(tokens)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def _without_finished(batch: Batch) -> Batch | None:
@@ -97,6 +103,7 @@ class Engine:
         self.overlap = self.config.overlap_steps if self.config.overlap_steps is not None else \
             self.runner.device.type == "cuda"
         self.in_flight: InFlight | None = None
+        self.scoring: set[str] = set()  # requests whose prompt steps need the logits on the host (_scores_prompt)
         self._seed = random.Random(self.config.seed)
         _freeze_startup_heap()
 
@@ -122,13 +129,15 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seed.getrandbits(63)
         seq = Sequence(ids, params, request_id)
         detokenizer = Detokenizer(self.tokenizer, ids, params.stop, self.decode, once=not stream)
-        overlappable = params.logprobs is None and params.prompt_logprobs is None and max_tokens > 0
-        self.requests[request_id] = Request(seq, text, detokenizer, seed, max_tokens, ids, stream, overlappable)
+        self.requests[request_id] = Request(seq, text, detokenizer, seed, max_tokens, ids, stream)
+        if params.prompt_logprobs is not None or max_tokens == 0:
+            self.scoring.add(request_id)
         self.metrics.prompt_tokens += len(ids)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
+        self.scoring.discard(request_id)
         if request is not None and not request.seq.is_finished:
             self.scheduler.finish(request.seq, "abort")
             self.metrics.on_finish("abort")
@@ -142,8 +151,7 @@ class Engine:
         step is only launched, and the outputs are those of the previous step, whose tokens the device has sampled
         meanwhile: the host schedules and prepares step n+1 while the device computes step n."""
         batch = self.scheduler.schedule()
-        if batch is not None and not (self.overlap and all(self.requests[s.request_id].overlappable
-                                                           for s in batch.seqs)):
+        if batch is not None and not (self.overlap and not self._scores_prompt(batch)):
             outputs = self._resolve()  # the in-flight tokens may finish sequences of this batch
             batch = _without_finished(batch)
             return outputs + (self._step_now(batch) if batch is not None else [])
@@ -154,9 +162,14 @@ class Engine:
             self.scheduler.commit_full_blocks(launched.batch.seqs)
         return outputs
 
+    def _scores_prompt(self, batch: Batch) -> bool:
+        """Whether the host must read this step's logits at once: prompt logprobs still to score, or a
+        max_tokens=0 request (its prompt is all it computes)."""
+        return bool(self.scoring) and any(s.request_id in self.scoring and s.num_computed_tokens < s.num_prompt_tokens
+                                          for s in batch.seqs)
+
     def _step_now(self, batch: Batch) -> list[RequestOutput]:
-        """A step whose tokens the host needs at once (logprobs, prompt logprobs, max_tokens=0), or any step
-        without overlap."""
+        """A step whose logits the host needs at once (`_scores_prompt`), or any step without overlap."""
         rows = self._logit_rows(batch)
         logits = self.runner.run(batch, rows)
         last_rows = self._record_prompt_logprobs(batch, rows, logits)
@@ -192,28 +205,31 @@ class Engine:
             return InFlight(batch, [], None)
         assert len(sampled) == logits.shape[0]  # no prompt logprobs here: the logits rows are the sampling rows
         seqs = [seq for seq, _ in sampled]
-        tokens = self.sampler.sample(logits, [s.params for s in seqs], [self.requests[s.request_id].seed
-                                                                        for s in seqs], [s.num_tokens for s in seqs])
+        params = [s.params for s in seqs]
+        tokens = self.sampler.sample(logits, params, [self.requests[s.request_id].seed for s in seqs],
+                                     [s.num_tokens for s in seqs])
         placed = []
         for seq in seqs:
             placed.append((seq, seq.num_tokens))
             seq.append_token(PENDING)
             seq.stopping = seq.num_completion_tokens >= self.requests[seq.request_id].max_tokens
-        return InFlight(batch, placed, tokens)
+        return InFlight(batch, placed, tokens, sampled_logprobs(logits, tokens, params))
 
     def _resolve(self) -> list[RequestOutput]:
         """Reads the in-flight step's tokens (waiting for the device) into their sequences; returns the outputs."""
         step, self.in_flight = self.in_flight, None
         if step is None or not step.sampled:
             return []
-        tokens = step.token_ids()
+        tokens, logprobs = step.results()
         now = time.monotonic()
         changed = []
-        for (seq, index), token in zip(step.sampled, tokens):
+        for (seq, index), token, logprob in zip(step.sampled, tokens, logprobs):
             request = self.requests.get(seq.request_id)
             if request is None or seq.is_finished:  # aborted, or finished by its previous token
                 continue
             seq.token_ids[index] = token
+            if logprob is not None:
+                seq.logprobs.append(logprob)
             self._on_token(seq, request, token, now, index + 1 - seq.num_prompt_tokens)
             if seq.is_finished:
                 del seq.token_ids[index + 1:]  # the token launched after this one, if any, is not part of it
@@ -287,6 +303,7 @@ class Engine:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scoring.discard(seq.request_id)
         self.scheduler.finish(seq, reason)
         self.metrics.on_finish(reason)
 

@@ -4,6 +4,8 @@ request's seed and the token's position, so a seeded request gets the same token
 
 Logprobs are those of the model's raw distribution (before temperature and truncation), as OpenAI and vLLM report.
 """
+from dataclasses import dataclass
+
 import torch
 
 from lowbit.kernels.sampling import exponential_noise
@@ -78,11 +80,37 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]):
         """As `sample`, then on the host: (token ids [S] list, per row (logprob, top) or None when not requested)."""
         tokens = self.sample(logits, params, seeds, positions)
-        want = [r for r, p in enumerate(params) if p.logprobs is not None]
-        logprobs: list = [None] * len(params)
-        if want:
-            n = max(params[r].logprobs for r in want)
-            rows = top_logprobs(logits[want].log_softmax(-1), tokens[want], n)
-            for r, (chosen, top) in zip(want, rows):
-                logprobs[r] = (chosen, top[:params[r].logprobs])
-        return tokens.tolist(), logprobs
+        logprobs = sampled_logprobs(logits, tokens, params)
+        if logprobs is None:
+            return tokens.tolist(), [None] * len(params)
+        return tokens.tolist(), logprobs.entries(len(params), *(t.tolist() for t in logprobs.tensors))
+
+
+@dataclass
+class SampledLogprobs:
+    """The sampled tokens' logprobs and each row's top n, still on the logits' device, for the rows that asked."""
+    rows: list[int]  # the batch rows that asked for logprobs
+    counts: list[int]  # how many top entries each of them wants
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # chosen [R], top values [R, n], top ids [R, n]
+
+    def entries(self, num_rows: int, chosen: list, values: list, ids: list) -> list:
+        """The tensors as host lists -> per batch row (logprob, [(id, logprob)] best first), or None."""
+        out: list = [None] * num_rows
+        for r, k, c, v, i in zip(self.rows, self.counts, chosen, values, ids):
+            out[r] = (c, list(zip(i[:k], v[:k])))
+        return out
+
+
+def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]
+                     ) -> SampledLogprobs | None:
+    """logits [S, V] float32, tokens [S] -> the requested logprobs of the raw distribution, without waiting for
+    the device; None when no row asks."""
+    rows = [r for r, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return None
+    counts = [params[r].logprobs for r in rows]
+    index = _on(logits.device, rows, torch.int64)
+    logprobs = logits.index_select(0, index).log_softmax(-1)
+    chosen = logprobs.gather(1, tokens.index_select(0, index).view(-1, 1)).view(-1)
+    values, ids = logprobs.topk(max(counts), dim=-1)
+    return SampledLogprobs(rows, counts, (chosen, values, ids))
