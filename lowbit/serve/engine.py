@@ -151,7 +151,7 @@ class Engine:
         step is only launched, and the outputs are those of the previous step, whose tokens the device has sampled
         meanwhile: the host schedules and prepares step n+1 while the device computes step n."""
         batch = self.scheduler.schedule()
-        if batch is not None and not (self.overlap and not self._scores_prompt(batch)):
+        if batch is not None and (not self.overlap or self._scores_prompt(batch)):
             outputs = self._resolve()  # the in-flight tokens may finish sequences of this batch
             batch = _without_finished(batch)
             return outputs + (self._step_now(batch) if batch is not None else [])
