@@ -2,19 +2,19 @@
 scale per output row (what a merged layer of per-tensor parts carries). Options: the parts as separate per-tensor
 `_scaled_mm` calls, cuBLAS row-wise, lowbit's Triton scaled GEMM, per-tensor `_scaled_mm` into fp32 followed by
 the row scales (lowbit's pick off Hopper up to w8a8.PER_TENSOR_THEN_SCALE_MAX_M), lowbit's small-M FP8 GEMM
-(fp8_small_m, M <= 32) and `lowbit` = what w8a8.scaled_mm dispatches to; bf16 cuBLAS for scale. Error vs the fp32
+(fp8_small_m, M <= 32) and `lowbit` = what w8a8.w8a8_linear_prequantized dispatches to; bf16 cuBLAS for scale. Error vs the fp32
 reference and median us (CUDA-graph replays over weight copies beyond L2, as bench/kernels.py times).
 
 `python3 bench/fp8_merged_gemm.py [--json FILE]`
 """
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from lowbit.bench_cli import load_script
 from lowbit.kernels import fp8_small_m as fsm
 from lowbit.kernels import scaled_gemm as sg
 from lowbit.kernels import w8a8
@@ -22,13 +22,6 @@ from lowbit.kernels import w8a8
 SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [14336, 14336])}  # in, out rows per part
 MS = (1, 16, 64, 256, 4096)
 SMALL_M_TILES = ((16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 256, 4, 3), (64, 128, 128, 4, 4))
-
-
-def load_kernels_bench():
-    spec = importlib.util.spec_from_file_location("kernels_bench", Path(__file__).with_name("kernels.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def fp8(t: torch.Tensor) -> torch.Tensor:
@@ -46,7 +39,7 @@ def options(x, sa, row_scale, parts, one):
                                               scale_b=row_scale.reshape(1, -1), out_dtype=torch.bfloat16),
         "triton": lambda w: sg.scaled_gemm(x, w, sa, row_scale, None, torch.bfloat16),
         "fp32_then_scale": lambda w: w8a8._per_tensor_then_column_scale(x, w, sa, row_scale, None, torch.bfloat16),
-        "lowbit": lambda w: w8a8.scaled_mm(x, w, sa, row_scale, None, torch.bfloat16),
+        "lowbit": lambda w: w8a8.w8a8_linear_prequantized(x, w, row_scale, sa, None, torch.bfloat16),
     }
 
 
@@ -83,7 +76,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    kb, results = load_kernels_bench(), []
+    kb, results = load_script("kernels.py"), []
     for name, (k, parts) in SHAPES.items():
         for m in MS:
             for row in measure(kb, name, k, parts, m):

@@ -10,7 +10,6 @@ Times are bench/kernels.py's `time_us` (median of CUDA-graph replays over weight
   cut), and per-token x scales (FP8_PER_CHANNEL_PER_TOKEN) against cuBLAS row-wise.
 """
 import argparse
-import importlib.util
 import itertools
 import json
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lowbit.bench_cli import load_script
 from lowbit.kernels import fp8_small_m as fsm
 from lowbit.kernels import w8a8
 
@@ -28,13 +28,6 @@ SHAPES = {"qkv": (4096, 6144, True), "o": (4096, 4096, False), "gate_up": (4096,
 LADDER_M = (1, 2, 4, 8, 16, 24, 32)
 SMEM_BYTES = 220 * 1024
 DEV = "cuda"
-
-
-def load_kernels_bench():
-    spec = importlib.util.spec_from_file_location("kernels_bench", Path(__file__).with_name("kernels.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def fp8(t: torch.Tensor) -> torch.Tensor:
@@ -246,7 +239,7 @@ def main(argv=None) -> int:
         if args.json:
             args.json.write_text(json.dumps(report, indent=1, default=str))
         return 1
-    kb, deadline = load_kernels_bench(), start + args.budget_s
+    kb, deadline = load_script("kernels.py"), start + args.budget_s
 
     def emit(row):
         print(json.dumps(row, default=str), flush=True)

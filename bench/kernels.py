@@ -5,7 +5,6 @@ that they do not fit in L2 (so decode shapes stream weights from HBM, as in a re
 table (median us, TFLOP/s, GB/s, speedup over cuBLAS bf16 and over _scaled_mm alone); --json writes every number.
 """
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lowbit.bench_cli import load_script
 from lowbit.kernels import linear, prepare_linear, rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref
 from lowbit.kernels import scaled_gemm as sg
 from lowbit.kernels import w4_gemv, w4a16
@@ -322,16 +322,6 @@ def print_report(report):
               f"{r['ratio_fused']:.2f} | {r['unfused_us']:.1f} | {r['ratio_unfused']:.2f} |", flush=True)
 
 
-def load_sibling(name: str):
-    """bench/<name>.py by path (bench/ is a folder of scripts; putting it on sys.path would let this file shadow
-    the PyPI package `kernels` that transformers imports)."""
-    path = Path(__file__).resolve().with_name(f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"lowbit_bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="lowbit bench kernels", description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=",".join(f"{k}x{n}" for k, n in SHAPES), help="in x out, comma separated")
@@ -360,7 +350,7 @@ def main(argv=None) -> int:
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": argv or sys.argv[1:]}
     ok = True
     if args.check:
-        check = load_sibling("kernels_check")
+        check = load_script("kernels_check.py")
         report["checks"] = check.run_checks(dev)
         print(check.format_checks(report["checks"]), flush=True)
         ok = all(r["ok"] for r in report["checks"])

@@ -8,7 +8,6 @@
 `python bench/serve_diag.py [--formats fp8,...] [--json PATH]`
 """
 import argparse
-import importlib.util
 import json
 import sys
 from collections import defaultdict
@@ -18,19 +17,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lowbit.bench_cli import load_script  # noqa: E402
 from lowbit.kernels import linear, linear_ref, rms_norm, rms_norm_ref, rotary, rotary_ref  # noqa: E402
 from lowbit.kernels import rotary_qk, rotary_qk_ref  # noqa: E402
 from lowbit.kernels import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from lowbit.serve import attention as attn_mod  # noqa: E402
 from lowbit.serve import layers as layers_mod  # noqa: E402
 from lowbit.serve.triton_attention import TritonAttentionBackend  # noqa: E402
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("serve_bench", Path(__file__).with_name("serve_bench.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def rel(a, b):
@@ -191,7 +184,7 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     p.add_argument("--tiny", action="store_true", help="tiny fp32 model on the CPU (plumbing check)")
     a = p.parse_args(argv)
-    bench = load_bench()
+    bench = load_script("serve_bench.py")
     args = bench.parse(["--tiny", "--device", "cpu"] if a.tiny else [])
     out = {}
     for fmt in a.formats.split(","):

@@ -4,21 +4,14 @@ overlapped steps the host works while the device computes, so a step that waits 
 waits is device-bound. GPU only: `python3 bench/step_profile.py [--format fp8] [--max-batch-size 512]`."""
 import argparse
 import collections
-import importlib.util
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lowbit.bench_cli import load_script  # noqa: E402
 from lowbit.serve import engine as engine_module  # noqa: E402
 from lowbit.serve.sampling_params import SamplingParams  # noqa: E402
-
-
-def load_serve_bench():
-    spec = importlib.util.spec_from_file_location("serve_bench", Path(__file__).with_name("serve_bench.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def timed(fn, totals, key):
@@ -45,7 +38,7 @@ def run(engine, requests: int, isl: int, osl: int, seed: int) -> dict:
     engine.sampler.sample = timed(sample, totals, "launch.sample")
     try:
         params = SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
-        sb = load_serve_bench()
+        sb = load_script("serve_bench.py")
         for i, prompt in enumerate(sb.random_prompts(requests, isl, engine.runner.model.config["vocab_size"], seed)):
             engine.add_request(f"p{seed}-{i}", prompt, params)
         histogram, steps, start = collections.Counter(), 0, time.perf_counter()
@@ -73,7 +66,7 @@ def main(argv=None):
     p.add_argument("--isl", type=int, default=128)
     p.add_argument("--osl", type=int, default=128)
     a = p.parse_args(argv)
-    sb = load_serve_bench()
+    sb = load_script("serve_bench.py")
     engine = sb.build_engine(sb.parse(["--max-batch-size", str(a.max_batch_size)]), a.format)
     run(engine, min(a.requests, 2 * a.max_batch_size), a.isl, 32, seed=5)  # warm-up: Triton compiles
     for seed, overlap in ((1, True), (2, False)):  # new prompts each run: no prefix-cache hits from the last one

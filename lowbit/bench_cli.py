@@ -2,6 +2,7 @@
 
 Benchmarks print their figures (and write JSON with --json); they are never timed unit tests.
 """
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -26,7 +27,15 @@ def run(args) -> int:
     path = BENCH_DIR / BENCHES[args.name]
     if not path.is_file():
         raise UserError(f"{path} not found: benchmarks run from a source checkout (pip install -e .)")
-    spec = importlib.util.spec_from_file_location(f"lowbit_bench_{args.name.replace('-', '_')}", path)
+    return load_script(path.name).main(args.args) or 0
+
+
+@functools.cache
+def load_script(filename: str):
+    """bench/<filename> as a module, loaded once, by path: bench/ is a folder of scripts, not a package (on sys.path,
+    bench/kernels.py would shadow the PyPI package `kernels` that transformers imports)."""
+    path = BENCH_DIR / filename
+    spec = importlib.util.spec_from_file_location(f"lowbit_bench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main(args.args) or 0
+    return module

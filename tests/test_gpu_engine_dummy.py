@@ -3,25 +3,18 @@
 CPU: the Triton interpreter on a tiny fp32 model (attention kernels only; linears run their references).
 GPU: bench/serve_bench.py's check (all kernels + CUDA graphs vs the reference path) on 2 layers of Llama-8B widths.
 """
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from lowbit.bench_cli import load_script  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.serve import attention  # noqa: E402
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "serve_bench.py"
-
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("serve_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("serve_bench.py")
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or not interpreting(), reason="CPU interpreter test")

@@ -1,16 +1,11 @@
 """The GPU-only pieces, checked on the CPU: decode through DecodeGraphs' static, padded buffers (the replay emulated
 by running the forward on those buffers) and the KV pool arithmetic (free memory faked)."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-
-from lowbit.serve import kv_pool  # noqa: E402
-from lowbit.serve.cuda_graphs import DecodeGraphs  # noqa: E402
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "serve_bench.py"
+from lowbit.bench_cli import load_script
+from lowbit.serve import kv_pool
+from lowbit.serve.cuda_graphs import DecodeGraphs
 
 
 class EmulatedGraph:
@@ -66,9 +61,7 @@ def test_engine_decode_through_padded_graph_buffers_matches_eager():
     from lowbit.serve.triton_attention import TritonAttentionBackend
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 before triton's import")
-    spec = importlib.util.spec_from_file_location("serve_bench", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("serve_bench.py")
     args = bench.parse(["--tiny", "--device", "cpu"])
     engine = bench.build_engine(args, "bf16", enable_prefix_caching=False, max_batch_size=4, num_kv_blocks=64)
     prompts = [bench.random_prompts(1, n, 512, seed=n)[0] for n in (3, 21, 40)]  # 3 sequences: padded to 4

@@ -1,6 +1,8 @@
 """The engine's incremental host path (issue 7, host overhead): step inputs built from persistent block tables equal
 those built from the sequences' lists, step by step through chunked prefill, prefix reuse and preemption; outputs
 carry deltas until the final one, which is cumulative."""
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -200,3 +202,12 @@ def test_overlapped_steps_keep_overlapping_for_logprobs_and_after_prompt_scoring
     out = run_streamed(engine, [("plp", list(range(60, 70)), params)])["plp"][0]
     assert kinds == ["at once"] + ["overlapped"] * 4 and len(out.prompt_logprobs) == 10
     assert not engine.scoring
+
+
+def test_serve_rejects_a_non_boolean_overlap_setting_in_one_line(tmp_path):
+    config = tmp_path / "extra.yaml"
+    config.write_text("overlap_steps: maybe\n")
+    proc = subprocess.run([sys.executable, "-m", "lowbit.cli", "serve", "smollm2-135m", "--config", str(config)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == ["error: overlap_steps must be true or false, got 'maybe'"]

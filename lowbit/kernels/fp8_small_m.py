@@ -24,6 +24,7 @@ serialize, so one workspace per device serves every layer.
 import torch
 
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton
+from lowbit.kernels.scaled_gemm import scaled_gemm_ref
 
 MAX_M = 32
 PROMOTE_K = 32  # K elements the tensor core sums at its reduced precision before adding into fp32 (benchmarks.md run 9)
@@ -31,13 +32,7 @@ COUNTER_SLOTS = 65536  # N tiles per launch (N <= 65536 * BLOCK_N)
 SMEM_BYTES = 220 * 1024  # of the H200's 227 KB per block, for the pipelined weight and x tiles
 
 
-def fp8_small_m_ref(q, w, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
-    """fp32 math on the fp8 codes, the same function as scaled_gemm_ref (scale_b may be [N, 1])."""
-    acc = q.float() @ w.float().t()
-    out = acc * scale_a.float().reshape(-1, 1) * scale_b.float().reshape(1, -1)
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype)
+fp8_small_m_ref = scaled_gemm_ref  # fp32 math on the fp8 codes (scale_b [], [N] or [N, 1])
 
 
 @helper

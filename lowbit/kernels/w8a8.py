@@ -61,9 +61,7 @@ def small_m_applies(q, w, scale_a, scale_b) -> bool:
 
 
 def scaled_mm(q, w, scale_a, scale_b, bias, out_dtype):
-    """q [M, K] fp8, w [N, K] fp8; scale_a [] or [M, 1]; scale_b [] or [N]."""
-    if small_m_applies(q, w, scale_a, scale_b):
-        return fp8_small_m_gemm(q, w, scale_a, scale_b, bias, out_dtype)
+    """q [M, K] fp8, w [N, K] fp8; scale_a [] or [M, 1]; scale_b [] or [N]: the cuBLAS routes (scaled_mm_applies)."""
     if scale_a.numel() == 1 and scale_b.numel() == 1:
         return torch._scaled_mm(q, w.t(), scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()),
                                 bias=bias.to(out_dtype) if bias is not None else None, out_dtype=out_dtype)

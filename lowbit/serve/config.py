@@ -24,6 +24,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        for name in ("overlap_steps", "cuda_graphs", "enable_prefix_caching"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or value is None and name == "overlap_steps"):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
 

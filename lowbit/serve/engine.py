@@ -205,14 +205,14 @@ class Engine:
             return InFlight(batch, [], None)
         assert len(sampled) == logits.shape[0]  # no prompt logprobs here: the logits rows are the sampling rows
         seqs = [seq for seq, _ in sampled]
+        reqs = [self.requests[s.request_id] for s in seqs]
         params = [s.params for s in seqs]
-        tokens = self.sampler.sample(logits, params, [self.requests[s.request_id].seed for s in seqs],
-                                     [s.num_tokens for s in seqs])
+        tokens = self.sampler.sample(logits, params, [q.seed for q in reqs], [s.num_tokens for s in seqs])
         placed = []
-        for seq in seqs:
+        for seq, request in zip(seqs, reqs):
             placed.append((seq, seq.num_tokens))
             seq.append_token(PENDING)
-            seq.stopping = seq.num_completion_tokens >= self.requests[seq.request_id].max_tokens
+            seq.stopping = seq.num_completion_tokens >= request.max_tokens
         return InFlight(batch, placed, tokens, sampled_logprobs(logits, tokens, params))
 
     def _resolve(self) -> list[RequestOutput]:

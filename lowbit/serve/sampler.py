@@ -15,13 +15,17 @@ TopLogprobs = list[tuple[int, float]]
 _MASK64 = (1 << 64) - 1
 
 
+def chosen_and_top(logprobs: torch.Tensor, token_ids: torch.Tensor, n: int):
+    """logprobs [R, V], token_ids [R] -> on the same device: logprob of token_ids[r] [R], the n best values and
+    ids [R, n]."""
+    values, ids = logprobs.topk(n, dim=-1)
+    return logprobs.gather(1, token_ids.view(-1, 1)).view(-1), values, ids
+
+
 def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, n: int) -> list[tuple[float, TopLogprobs]]:
     """logprobs [R, V], token_ids [R] -> per row (logprob of token_ids[r], [(id, logprob)] of the n best)."""
-    chosen = logprobs.gather(1, token_ids.view(-1, 1)).view(-1).tolist()
-    if n == 0:
-        return [(c, []) for c in chosen]
-    values, ids = logprobs.topk(n, dim=-1)
-    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
+    chosen, values, ids = (t.tolist() for t in chosen_and_top(logprobs, token_ids, n))
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids, values)]
 
 
 def step_seed(seed: int, position: int) -> int:
@@ -111,6 +115,4 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[Sa
     counts = [params[r].logprobs for r in rows]
     index = _on(logits.device, rows, torch.int64)
     logprobs = logits.index_select(0, index).log_softmax(-1)
-    chosen = logprobs.gather(1, tokens.index_select(0, index).view(-1, 1)).view(-1)
-    values, ids = logprobs.topk(max(counts), dim=-1)
-    return SampledLogprobs(rows, counts, (chosen, values, ids))
+    return SampledLogprobs(rows, counts, chosen_and_top(logprobs, tokens.index_select(0, index), max(counts)))
