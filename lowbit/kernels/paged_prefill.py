@@ -1,0 +1,107 @@
+"""Prefill / extend attention over paged KV with the query heads of one KV head in one program (grouped-query).
+
+Same contract as lowbit.kernels.paged_attention.paged_prefill_ref. A program takes BLOCK_T new tokens of one
+sequence times the G query heads that share a KV head: M = BLOCK_T * G rows [token-major: row r = token r // G,
+head r % G], so each K/V tile is loaded (and, for an FP8 cache, converted) once for G heads. Keys below the tile's
+first query position are visible to every row: those tiles run without the causal mask; only the last tiles
+(at most ceil(BLOCK_T / BLOCK_N) + 1) are masked.
+"""
+import torch
+
+from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl
+from lowbit.kernels.paged_attention import FP8_KV_F16_DOT, LOG2E, _kv_tile, _output, _scale_tensor
+
+# (BLOCK_T tokens, BLOCK_N keys, num_warps, num_stages) by "is the cache FP8"; rows per program = BLOCK_T * G.
+CONFIG = {False: (32, 64, 8, 3), True: (32, 64, 8, 3)}
+
+
+@helper
+def _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr):
+    """One key tile of the online softmax (log2 domain, fp32): q [M, D], k/v [N, D]; valid [M, N] if MASKED."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+    if MASKED:
+        s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)) * v_scale
+    return m_new, l, acc
+
+
+@kernel
+def _prefill_gqa_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_ptr, qk_scale, bt_stride,
+                        half_stride, HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                        BS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+                        F16_DOT: tl.constexpr, QUANT_OUT: tl.constexpr):
+    """Program (token tile, b, kv head): rows = BLOCK_T new tokens x the G query heads of KV head kvh."""
+    M: tl.constexpr = BLOCK_T * G
+    b = tl.program_id(1).to(tl.int64)
+    kvh = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    t0 = tl.program_id(0) * BLOCK_T
+    if t0 >= q_len:
+        return
+    ctx_len = tl.load(ctx_ptr + b)
+    first = ctx_len - q_len + t0  # absolute position of the tile's first token
+    offs_r = tl.arange(0, M)
+    tok = t0 + offs_r // G
+    mask_r = tok < q_len
+    pos = first + offs_r // G
+    rows = (q_start + tok).to(tl.int64) * HQ + kvh * G + offs_r % G
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_r[:, None], other=0.0)
+    k_scale, v_scale = 1.0, 1.0
+    if FP8:
+        k_scale, v_scale = tl.load(ks_ptr), tl.load(vs_ptr)
+        if F16_DOT:
+            q = q.to(tl.float16)
+    qk_scale = qk_scale * k_scale
+    m = tl.full([M], float("-inf"), tl.float32)
+    l = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    full_end = (first + 1) // BLOCK_N * BLOCK_N  # keys < first + 1 are visible to every row
+    for n0 in range(0, full_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        k, v = _kv_tile(kv_ptr, bt_ptr, b * bt_stride, offs_n, offs_n < full_end, kvh, offs_d, half_stride, HKD, D,
+                        BS)
+        m, l, acc = _step(q, k, v, None, m, l, acc, qk_scale, v_scale, False)
+    end = tl.minimum(ctx_len, first + BLOCK_T)
+    for n0 in range(full_end, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        k, v = _kv_tile(kv_ptr, bt_ptr, b * bt_stride, offs_n, mask_n, kvh, offs_d, half_stride, HKD, D, BS)
+        valid = mask_n[None, :] & (offs_n[None, :] <= pos[:, None])
+        m, l, acc = _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, True)
+    o = acc / l[:, None]
+    tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], _output(o, os_ptr, q_ptr.dtype.element_ty, QUANT_OUT),
+             mask=mask_r[:, None])
+
+
+def grouped(num_heads: int, num_kv_heads: int) -> bool:
+    """The grouped kernel needs a power-of-two group (rows per program = BLOCK_T * G)."""
+    g = num_heads // num_kv_heads
+    return g == next_pow2(g)
+
+
+def paged_prefill_gqa(q, kv_cache, query_start_loc, context_lens, block_tables, max_query_len, scale,
+                      k_scale, v_scale, out_scale=None, config=None) -> torch.Tensor:
+    """Triton: same contract as paged_prefill_ref (Hq / Hk a power of two). max_query_len (host int) sizes the grid."""
+    t, hq, d = q.shape
+    _, _, bs, hk, _ = kv_cache.shape
+    g = hq // hk
+    assert grouped(hq, hk), (hq, hk)
+    q = q.contiguous()
+    out = torch.empty_like(q, dtype=q.dtype if out_scale is None else torch.float8_e4m3fn)
+    os_ = _scale_tensor(out_scale, q.device) if out_scale is not None else q
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    ks, vs = (_scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)) if fp8 else (q, q)
+    block_t, block_n, warps, stages = config or CONFIG[fp8]
+    block_t = max(block_t, 16 // g)  # tl.dot needs >= 16 rows
+    grid = (cdiv(max_query_len, block_t), block_tables.shape[0], hk)
+    _prefill_gqa_kernel[grid](q, kv_cache, block_tables, query_start_loc, context_lens, ks, vs, os_, out,
+                              scale * LOG2E, block_tables.stride(0), kv_cache.stride(0), HQ=hq, HKD=hk * d, G=g, D=d,
+                              BS=bs, BLOCK_T=block_t, BLOCK_N=block_n, FP8=fp8, F16_DOT=FP8_KV_F16_DOT,
+                              QUANT_OUT=out_scale is not None, num_warps=warps, num_stages=stages)
+    return out
