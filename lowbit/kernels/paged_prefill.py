@@ -1,8 +1,9 @@
 """Prefill / extend attention over paged KV with the query heads of one KV head in one program (grouped-query).
 
 Same contract as lowbit.kernels.paged_attention.paged_prefill_ref. A program takes BLOCK_T new tokens of one
-sequence times the G query heads that share a KV head: M = BLOCK_T * G rows [token-major: row r = token r // G,
-head r % G], so each K/V tile is loaded (and, for an FP8 cache, converted) once for G heads. Keys below the tile's
+sequence times the G query heads that share a KV head, G padded to a power of two GP: M = BLOCK_T * GP rows
+[token-major: row r = token r // GP, head r % GP; heads >= G masked], so each K/V tile is loaded (and, for an FP8
+cache, converted) once for G heads. Keys below the tile's
 first query position are visible to every row: those tiles run without the causal mask; only the last tiles
 (at most ceil(BLOCK_T / BLOCK_N) + 1) are masked.
 """
@@ -11,8 +12,10 @@ import torch
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl
 from lowbit.kernels.paged_attention import FP8_KV_F16_DOT, LOG2E, _kv_tile, _output, _scale_tensor
 
-# (BLOCK_T tokens, BLOCK_N keys, num_warps, num_stages) by "is the cache FP8"; rows per program = BLOCK_T * G.
-CONFIG = {False: (32, 64, 8, 3), True: (32, 64, 8, 3)}
+# (BLOCK_T tokens, BLOCK_N keys, num_warps, num_stages), rows per program = BLOCK_T * GP, by (FP8 cache, longest
+# new sequence > 256 tokens). H200 sweep at Llama-8B heads (bench/prefill_tiles.py, docs/serve_gpu_notes.md).
+CONFIG = {(False, False): (16, 64, 4, 3), (False, True): (16, 64, 4, 3),
+          (True, False): (16, 64, 4, 3), (True, True): (32, 128, 8, 3)}
 
 
 @helper
@@ -31,11 +34,12 @@ def _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr):
 
 @kernel
 def _prefill_gqa_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_ptr, qk_scale, bt_stride,
-                        half_stride, HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                        half_stride, HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                        D: tl.constexpr,
                         BS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
                         F16_DOT: tl.constexpr, QUANT_OUT: tl.constexpr):
     """Program (token tile, b, kv head): rows = BLOCK_T new tokens x the G query heads of KV head kvh."""
-    M: tl.constexpr = BLOCK_T * G
+    M: tl.constexpr = BLOCK_T * GP
     b = tl.program_id(1).to(tl.int64)
     kvh = tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
@@ -46,10 +50,10 @@ def _prefill_gqa_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr,
     ctx_len = tl.load(ctx_ptr + b)
     first = ctx_len - q_len + t0  # absolute position of the tile's first token
     offs_r = tl.arange(0, M)
-    tok = t0 + offs_r // G
-    mask_r = tok < q_len
-    pos = first + offs_r // G
-    rows = (q_start + tok).to(tl.int64) * HQ + kvh * G + offs_r % G
+    tok = t0 + offs_r // GP
+    mask_r = (tok < q_len) & (offs_r % GP < G)
+    pos = first + offs_r // GP
+    rows = (q_start + tok).to(tl.int64) * HQ + kvh * G + offs_r % GP
     offs_d = tl.arange(0, D)
     q = tl.load(q_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_r[:, None], other=0.0)
     k_scale, v_scale = 1.0, 1.0
@@ -79,29 +83,23 @@ def _prefill_gqa_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr,
              mask=mask_r[:, None])
 
 
-def grouped(num_heads: int, num_kv_heads: int) -> bool:
-    """The grouped kernel needs a power-of-two group (rows per program = BLOCK_T * G)."""
-    g = num_heads // num_kv_heads
-    return g == next_pow2(g)
-
-
 def paged_prefill_gqa(q, kv_cache, query_start_loc, context_lens, block_tables, max_query_len, scale,
                       k_scale, v_scale, out_scale=None, config=None) -> torch.Tensor:
-    """Triton: same contract as paged_prefill_ref (Hq / Hk a power of two). max_query_len (host int) sizes the grid."""
+    """Triton: same contract as paged_prefill_ref. max_query_len (host int) sizes the grid."""
     t, hq, d = q.shape
     _, _, bs, hk, _ = kv_cache.shape
     g = hq // hk
-    assert grouped(hq, hk), (hq, hk)
+    gp = next_pow2(g)
     q = q.contiguous()
     out = torch.empty_like(q, dtype=q.dtype if out_scale is None else torch.float8_e4m3fn)
     os_ = _scale_tensor(out_scale, q.device) if out_scale is not None else q
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     ks, vs = (_scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)) if fp8 else (q, q)
-    block_t, block_n, warps, stages = config or CONFIG[fp8]
-    block_t = max(block_t, 16 // g)  # tl.dot needs >= 16 rows
+    block_t, block_n, warps, stages = config or CONFIG[fp8, max_query_len > 256]
+    block_t = max(block_t, 16 // gp)  # tl.dot needs >= 16 rows
     grid = (cdiv(max_query_len, block_t), block_tables.shape[0], hk)
     _prefill_gqa_kernel[grid](q, kv_cache, block_tables, query_start_loc, context_lens, ks, vs, os_, out,
-                              scale * LOG2E, block_tables.stride(0), kv_cache.stride(0), HQ=hq, HKD=hk * d, G=g, D=d,
+                              scale * LOG2E, block_tables.stride(0), kv_cache.stride(0), HQ=hq, HKD=hk * d, G=g, GP=gp, D=d,
                               BS=bs, BLOCK_T=block_t, BLOCK_N=block_n, FP8=fp8, F16_DOT=FP8_KV_F16_DOT,
                               QUANT_OUT=out_scale is not None, num_warps=warps, num_stages=stages)
     return out

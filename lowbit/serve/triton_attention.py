@@ -1,10 +1,12 @@
-"""The GPU attention backend: lowbit.kernels.paged_attention behind serve.attention's store_kv / attend.
+"""The GPU attention backend behind serve.attention's store_kv / attend: lowbit.kernels.paged_attention (KV store,
+decode) and lowbit.kernels.paged_prefill (prefill, extend).
 
 Decode steps read only device tensors (graph-capturable); other steps size their grid from the host query lengths.
 """
 import torch
 
 from lowbit.kernels import paged_attention as pa
+from lowbit.kernels.paged_prefill import paged_prefill_gqa
 from lowbit.serve.context import StepContext
 
 
@@ -18,5 +20,5 @@ class TritonAttentionBackend:
         if ctx.is_decode:
             return pa.paged_decode(q, kv_cache, ctx.block_tables, ctx.context_lens, scale, k_scale, v_scale,
                                    out_scale=out_scale)
-        return pa.paged_prefill(q, kv_cache, ctx.query_start_loc, ctx.context_lens, ctx.block_tables,
-                                max(ctx.query_lens_cpu), scale, k_scale, v_scale, out_scale)
+        return paged_prefill_gqa(q, kv_cache, ctx.query_start_loc, ctx.context_lens, ctx.block_tables,
+                                 max(ctx.query_lens_cpu), scale, k_scale, v_scale, out_scale)
