@@ -6,6 +6,8 @@ Grouped-query: query head h reads KV head h // (Hq // Hk). Every op has a torch 
 Launchers take device tensors only (no host sync), so decode can be captured in a CUDA graph.
 With out_scale (the o_proj's static FP8 input scale) decode and prefill write their output as float8_e4m3fn.
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -16,8 +18,49 @@ FP8_MAX = 448.0
 # Tiles by KV dtype: (BLOCK_N, num_warps, num_stages) for decode, (BLOCK_M, BLOCK_N, num_warps, num_stages) for
 # prefill. Winners of an H200 sweep at Llama-8B heads (2026-11-30, docs/serve_gpu_notes.md): FP8 decode with
 # 128-token tiles 223 us vs 306 us (64 x 4096 context), prefill 8-15 % over 64 x 64 tiles.
-DECODE_CONFIG = {False: (64, 4, 3), True: (128, 4, 3)}  # keyed by "is the cache FP8"
 PREFILL_CONFIG = {False: (128, 64, 4, 3), True: (64, 128, 4, 3)}
+
+
+class DecodeVariant(NamedTuple):
+    """How paged_decode runs. (block_n, warps, stages) alone is the row-gather kernel of the sweep above."""
+    block_n: int  # tokens per tile
+    warps: int
+    stages: int  # Triton software-pipelining stages (1: none)
+    # one block-table id per cache block: tiles [block_n / block_size, block_size, D], 64-bit address math per block,
+    # rows past the context clamped to its last token (no load masks), next tile's ids loaded during this tile's math
+    blocks: bool = False
+    bits: bool = False  # FP8: e4m3 -> fp16 by integer ops (exact, value * 2^-8, 2^8 folded into the scales), no cvt
+    prefetch: bool = False  # (blocks) next tile's K/V loads issued before this tile's math (double buffer in registers)
+    maxnreg: int | None = None  # registers per thread at most (ptxas), for more programs per SM
+    early: bool = False  # K and V converted right after their loads (else V after the softmax, in _softmax_step)
+    no_convert: bool = False  # UPPER BOUND for benchmarks only, WRONG results: FP8 bytes reinterpreted, not converted
+
+
+# FP8-KV decode candidates, timed by `python3 bench/attention_tiles.py --decode-fp8-variants` under these names.
+# Comments: registers per thread and programs per SM (by registers) from compiling for sm_90 with Triton 3.9 on the
+# CPU at Llama-8B heads (2026-11-30); bf16 KV's (64, 4, 3) for comparison: 90 registers, 5 per SM. The rows kernel's
+# software pipeline keeps one K/V buffer whatever the stages (the loads wait on the block-table load), so the bytes
+# in flight per SM are about programs x tile; rows128 reads V's FP8 bytes from shared memory one at a time (LDS.U8)
+# to transpose them for the P @ V dot, the blk* tiles (reshaped from [blocks, block_size, D]) do not.
+DECODE_VARIANTS = {
+    "rows128": DecodeVariant(128, 4, 3),  # DECODE_CONFIG[True] until now: 255 + spills, 2 / SM, V bytes via LDS.U8
+    "rows128-early": DecodeVariant(128, 4, 3, early=True),  # 191, no spills, 2 / SM
+    "rows128-bits": DecodeVariant(128, 4, 3, bits=True),  # 254, 2 / SM, ~1.9x the loop's instructions
+    "rows256w8": DecodeVariant(256, 8, 3),  # 250, 1 / SM
+    "blk64": DecodeVariant(64, 4, 1, blocks=True),  # 126, 4 / SM
+    "blk128": DecodeVariant(128, 4, 1, blocks=True),  # 136, 3 / SM
+    "blk128-r128": DecodeVariant(128, 4, 1, blocks=True, maxnreg=128),  # 128 + small spill, 4 / SM
+    "blk128w8": DecodeVariant(128, 8, 1, blocks=True),  # 122, 2 / SM
+    "blk256w8": DecodeVariant(256, 8, 1, blocks=True, maxnreg=168),  # 127, 2 / SM
+    "blk64w2": DecodeVariant(64, 2, 1, blocks=True),  # 160, 6 / SM
+    "blk128w2": DecodeVariant(128, 2, 1, blocks=True),  # 213, 4 / SM, fewest instructions per byte of these
+    "blk128-bits": DecodeVariant(128, 4, 1, blocks=True, bits=True),  # 201, 2 / SM
+    "blk64-prefetch": DecodeVariant(64, 4, 1, blocks=True, prefetch=True),  # 212, 2 / SM
+    "UB-rows128-noconvert": DecodeVariant(128, 4, 3, no_convert=True),  # upper bounds, wrong results: 170, 2 / SM
+    "UB-blk128-noconvert": DecodeVariant(128, 4, 1, blocks=True, no_convert=True),  # 128, 4 / SM
+}
+# What paged_decode runs, keyed by "is the cache FP8". To adopt a variant: True: DECODE_VARIANTS["<name>"].
+DECODE_CONFIG = {False: DecodeVariant(64, 4, 3), True: DECODE_VARIANTS["rows128"]}
 # FP8 K/V: convert to fp16 (a native conversion on Hopper) and run q and P in fp16, instead of bf16
 FP8_KV_F16_DOT = True
 MAX_SPLITS = 16
@@ -158,13 +201,65 @@ def _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale):
     return m_new, l, acc
 
 
+@helper
+def _e4m3_to_f16_bits(x):
+    """float8_e4m3fn tile -> fp16 holding exactly x * 2^-8, by integer ops instead of the cvt instruction: e4m3's
+    exponent (bias 7) and mantissa shifted into fp16's (bias 15), sign moved; subnormals map to subnormals. (NaN would
+    not map to NaN; the cache holds none, store_kv clamps to +-448.)"""
+    b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+    return (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
+
+
+@helper
+def _dot_tiles(k, v, dot_dtype, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, NO_CVT: tl.constexpr,
+               EARLY: tl.constexpr):
+    """K/V tiles as loaded -> what _softmax_step takes. EARLY: converted to the dots' dtype here, right after the
+    loads (else _softmax_step converts them, V after the softmax: the original order). BITS: FP8 by
+    _e4m3_to_f16_bits (values * 2^-8, the caller folds 2^8 into the scales). NO_CVT: the UPPER BOUND variant, uint16
+    pairs of FP8 bytes reinterpreted as fp16, each used for two columns; no conversion arithmetic, WRONG values
+    (benchmark only)."""
+    if NO_CVT:
+        k, v = k.to(tl.float16, bitcast=True), v.to(tl.float16, bitcast=True)
+        k, v = tl.reshape(tl.join(k, k), [BLOCK_N, D]), tl.reshape(tl.join(v, v), [BLOCK_N, D])
+    elif BITS:
+        k, v = _e4m3_to_f16_bits(k), _e4m3_to_f16_bits(v)
+    elif EARLY:
+        k, v = k.to(dot_dtype), v.to(dot_dtype)
+    return k, v
+
+
+@helper
+def _block_ids(bt_ptr, bt_row, n0, last, BS: tl.constexpr, NB: tl.constexpr):
+    """Block-table entries of the NB cache blocks from token n0 (a multiple of BS) on; blocks past token `last`'s are
+    clamped to its block, so the load needs no mask."""
+    return tl.load(bt_ptr + bt_row + tl.minimum(n0 // BS + tl.arange(0, NB), last // BS))
+
+
+@helper
+def _kv_blocks(ptr, blk, n0, last, kvh, half, HKDW: tl.constexpr, W: tl.constexpr, BS: tl.constexpr,
+               NB: tl.constexpr):
+    """K, V tiles [NB * BS, W] of tokens n0.. read through their NB block ids (_block_ids): 64-bit address math once
+    per block, 32-bit within it; rows past token `last` re-read its row (finite, and masked out of the softmax), so
+    the loads need no mask. W, HKDW: a row's and a token's width in elements of ptr."""
+    offs_r = tl.arange(0, BS)
+    tok = tl.minimum((n0 + tl.arange(0, NB) * BS)[:, None] + offs_r[None, :], last)
+    rows = (tok % BS) * HKDW + kvh * W
+    ptrs = ptr + (blk.to(tl.int64) * (BS * HKDW))[:, None, None] + rows[:, :, None] + tl.arange(0, W)[None, None, :]
+    k = tl.reshape(tl.load(ptrs), [NB * BS, W])
+    v = tl.reshape(tl.load(ptrs + half), [NB * BS, W])
+    return k, v
+
+
 @kernel
 def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_ptr, part_ptr, lse_ptr, qk_scale,
                    bt_stride, half_stride, num_splits,
                    HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    BS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
-                   F16_DOT: tl.constexpr, QUANT_OUT: tl.constexpr):
-    """Program (b, kv head, split): the G query heads of one KV head over one slice of the context."""
+                   F16_DOT: tl.constexpr, QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr, BITS: tl.constexpr,
+                   PREFETCH: tl.constexpr, EARLY: tl.constexpr, NO_CVT: tl.constexpr):
+    """Program (b, kv head, split): the G query heads of one KV head over one slice of the context.
+    The switches are DecodeVariant's fields (BLOCKS = blocks, BITS = bits, PREFETCH = prefetch, EARLY = early,
+    NO_CVT = no_convert)."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -180,16 +275,50 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
     k_scale, v_scale = 1.0, 1.0
     if FP8:
         k_scale, v_scale = tl.load(ks_ptr), tl.load(vs_ptr)
-        if F16_DOT:
+        if BITS:  # the tiles hold value * 2^-8
+            k_scale, v_scale = k_scale * 256.0, v_scale * 256.0
+        if F16_DOT or BITS or NO_CVT:
             q = q.to(tl.float16)
+    if NO_CVT:  # FP8 bytes read in uint16 pairs
+        W: tl.constexpr = D // 2
+        HKDW: tl.constexpr = HKD // 2
+        ptr = kv_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+        half = half_stride // 2
+    else:
+        W: tl.constexpr = D
+        HKDW: tl.constexpr = HKD
+        ptr = kv_ptr
+        half = half_stride
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        k, v = _kv_tile(kv_ptr, bt_ptr, b * bt_stride, offs_n, mask_n, kvh, offs_d, half_stride, HKD, D, BS)
-        m, l, acc = _softmax_step(q, k, v, mask_n[None, :], m, l, acc, qk_scale * k_scale, v_scale)
+    bt_row = b * bt_stride
+    if BLOCKS:
+        NB: tl.constexpr = BLOCK_N // BS
+        last = tl.maximum(end - 1, 0)
+        blk = _block_ids(bt_ptr, bt_row, start, last, BS, NB)
+        if PREFETCH:
+            k, v = _kv_blocks(ptr, blk, start, last, kvh, half, HKDW, W, BS, NB)
+            blk = _block_ids(bt_ptr, bt_row, start + BLOCK_N, last, BS, NB)
+        for n0 in range(start, end, BLOCK_N):
+            if PREFETCH:  # this tile was loaded last iteration; issue the next one's loads before the math
+                kt, vt = k, v
+                k, v = _kv_blocks(ptr, blk, n0 + BLOCK_N, last, kvh, half, HKDW, W, BS, NB)
+                blk = _block_ids(bt_ptr, bt_row, n0 + 2 * BLOCK_N, last, BS, NB)
+            else:  # the next tile's block ids load during this tile's math
+                kt, vt = _kv_blocks(ptr, blk, n0, last, kvh, half, HKDW, W, BS, NB)
+                blk = _block_ids(bt_ptr, bt_row, n0 + BLOCK_N, last, BS, NB)
+            kt, vt = _dot_tiles(kt, vt, q.dtype, BLOCK_N, D, BITS, NO_CVT, EARLY)
+            valid = (n0 + tl.arange(0, BLOCK_N) < end)[None, :]
+            m, l, acc = _softmax_step(q, kt, vt, valid, m, l, acc, qk_scale * k_scale, v_scale)
+    else:
+        offs_w = tl.arange(0, W)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            k, v = _kv_tile(ptr, bt_ptr, bt_row, offs_n, mask_n, kvh, offs_w, half, HKDW, W, BS)
+            k, v = _dot_tiles(k, v, q.dtype, BLOCK_N, D, BITS, NO_CVT, EARLY)
+            m, l, acc = _softmax_step(q, k, v, mask_n[None, :], m, l, acc, qk_scale * k_scale, v_scale)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     if DIRECT:
         tl.store(out_ptr + (b * HQ + heads)[:, None] * D + offs_d[None, :],
@@ -225,8 +354,9 @@ def decode_splits(batch: int, num_kv_heads: int) -> int:
 
 
 def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scale,
-                 num_splits: int | None = None, out_scale=None) -> torch.Tensor:
-    """Triton: same contract as paged_decode_ref. No host sync (graph-capturable)."""
+                 num_splits: int | None = None, out_scale=None, variant: DecodeVariant | None = None) -> torch.Tensor:
+    """Triton: same contract as paged_decode_ref. No host sync (graph-capturable).
+    variant: run this DecodeVariant instead of DECODE_CONFIG's (benchmarks, tests)."""
     bsz, hq, d = q.shape
     _, _, bs, hk, _ = kv_cache.shape
     g = hq // hk
@@ -236,14 +366,20 @@ def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scal
     os_ = _scale_tensor(out_scale, q.device) if out_scale is not None else q
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     ks, vs = (_scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)) if fp8 else (q, q)
-    block_n, warps, stages = DECODE_CONFIG[fp8]
+    cfg = DecodeVariant(*(variant or DECODE_CONFIG[fp8]))
+    if cfg.no_convert and variant is None:
+        raise ValueError("DecodeVariant.no_convert is a benchmark upper bound with wrong results")
+    # the block-wise gather needs whole cache blocks per tile and a power-of-two block size
+    blocks = cfg.blocks and cfg.block_n % bs == 0 and bs & (bs - 1) == 0
     part = torch.empty(bsz, hq, s, d, dtype=torch.float32, device=q.device) if s > 1 else out
     lse = torch.empty(bsz, hq, s, dtype=torch.float32, device=q.device) if s > 1 else out
     _decode_kernel[(bsz, hk, s)](q, kv_cache, block_tables, context_lens, ks, vs, os_, out, part, lse, scale * LOG2E,
                                  block_tables.stride(0), kv_cache.stride(0), s, HQ=hq, HKD=hk * d, G=g,
-                                 GP=max(16, next_pow2(g)), D=d, BS=bs, BLOCK_N=block_n, FP8=fp8,
+                                 GP=max(16, next_pow2(g)), D=d, BS=bs, BLOCK_N=cfg.block_n, FP8=fp8,
                                  DIRECT=s == 1, F16_DOT=FP8_KV_F16_DOT, QUANT_OUT=out_scale is not None,
-                                 num_warps=warps, num_stages=stages)
+                                 BLOCKS=blocks, BITS=fp8 and cfg.bits, PREFETCH=blocks and cfg.prefetch,
+                                 EARLY=cfg.early, NO_CVT=fp8 and cfg.no_convert, num_warps=cfg.warps,
+                                 num_stages=cfg.stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if s > 1:
         _combine_kernel[(bsz * hq,)](part, lse, os_, out, s, D=d, SP=next_pow2(s), model_dtype=_tl_dtype(q.dtype),
                                      QUANT_OUT=out_scale is not None, num_warps=4)
