@@ -83,7 +83,8 @@ def sweep_prefill(kv_dtype) -> list[dict]:
 
 
 # ---- FP8-KV decode candidates (--decode-fp8-variants)
-VARIANT_CASES = ((512, 1500), (256, 1024), (64, 4096), (1, 4096), (1, 32768))  # (batch, context)
+# (batch, context): 1000/1000 and 128/128 serving (512 x 1500, 256 / 512 x 200), long contexts, batch 1
+VARIANT_CASES = ((512, 1500), (256, 200), (512, 200), (256, 1024), (64, 4096), (1, 4096), (1, 32768))
 CHECK_CTX = (1, 17, 300, 1500, 4096, 33)  # the check batch: 1-token and partial tiles, long contexts
 CHECK_SPLITS = (1, 16)  # the kernel specializations the timings use (direct output; 16 splits at batch 1)
 CHECK_TOL = 1e-2  # relative L2 error vs paged_decode_ref (itself bf16); the engine measured <= 3.5e-3 for FP8 KV
@@ -93,7 +94,9 @@ BF16_REF = "bf16-ref"  # DECODE_CONFIG[False] on a bf16 cache: the bandwidth to 
 
 
 def _selected_variants(names) -> dict:
-    variants = {BF16_REF: (torch.bfloat16, pa.DecodeVariant(*pa.DECODE_CONFIG[False]))}
+    variants = {BF16_REF: (torch.bfloat16, pa.DecodeVariant(*pa.DECODE_CONFIG[False])),
+                "bf16-blk64": (torch.bfloat16, pa.DecodeVariant(64, 4, 1, blocks=True)),
+                "bf16-blk128": (torch.bfloat16, pa.DecodeVariant(128, 4, 1, blocks=True))}
     variants.update({n: (torch.float8_e4m3fn, v) for n, v in pa.DECODE_VARIANTS.items()})
     if names:
         unknown = set(names) - set(variants)
