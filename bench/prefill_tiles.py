@@ -1,6 +1,5 @@
 """Prefill attention on the GPU at Llama-8B heads (32 query / 8 KV heads, D 128, block 16, shuffled block tables),
-bf16 and FP8 KV: the per-head kernel (paged_attention.paged_prefill) against the grouped-query kernel
-(paged_prefill.paged_prefill_gqa) over its tiles. Every config is first checked against paged_prefill_ref on the
+bf16 and FP8 KV: lowbit.kernels.paged_prefill over its tiles (the first row: the tiles it picks itself). Every config is first checked against paged_prefill_ref on the
 same inputs (rel. error < 1e-2, per row < 3e-2); then `triton.testing.do_bench` medians and causal TFLOP/s.
 
 `python3 bench/prefill_tiles.py [--json FILE]`
@@ -14,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lowbit.kernels import paged_attention as pa  # noqa: E402
-from lowbit.kernels.paged_prefill import paged_prefill_gqa  # noqa: E402
+from lowbit.kernels.paged_prefill import paged_prefill  # noqa: E402
 
 BLOCK, HK, HQ, D = 16, 8, 32, 128
 CASES = ((4, 2048, 2048), (64, 128, 128), (4, 512, 2048))  # (sequences, new tokens, context)
@@ -56,9 +55,8 @@ def main(argv=None) -> int:
             args = case_inputs(kv_dtype, seqs, qlen, ctx)
             ref = pa.paged_prefill_ref(*args)
             flops = causal_flops(seqs, qlen, ctx)
-            variants = [("per_head", None, lambda: pa.paged_prefill(*args))]
-            variants += [(f"gqa{c}", c, (lambda c=c: paged_prefill_gqa(*args, config=c))) for c in CONFIGS]
-            for name, config, fn in variants:
+            for config in (None,) + CONFIGS:
+                name, fn = str(config or "default"), lambda c=config: paged_prefill(*args, config=c)
                 rel, row_err = errors(fn(), ref)
                 ok = rel < 1e-2 and row_err < 3e-2
                 us = 1e3 * triton.testing.do_bench(fn, warmup=5, rep=a.reps, return_mode="median") if ok else None

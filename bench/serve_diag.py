@@ -140,7 +140,7 @@ def prefill_times(bench, args, fmt, batch=4, length=2048) -> dict:
     """One prefill step of batch x length new tokens: the whole model, and paged_prefill alone (x layers)."""
     import triton
 
-    from lowbit.kernels import paged_attention as pa
+    from lowbit.kernels.paged_prefill import paged_prefill
     from lowbit.serve.context import StepContext
 
     engine = bench.build_engine(args, fmt, max_num_tokens=batch * length)
@@ -165,7 +165,7 @@ def prefill_times(bench, args, fmt, batch=4, length=2048) -> dict:
     a = r.attn_layers[0]
     q = torch.randn(n, a.num_heads, a.head_dim, device=dev, dtype=torch.bfloat16)
     one = torch.tensor(1.0, device=dev)
-    ms = triton.testing.do_bench(lambda: pa.paged_prefill(q, a.kv_cache, ctx.query_start_loc, ctx.context_lens,
+    ms = triton.testing.do_bench(lambda: paged_prefill(q, a.kv_cache, ctx.query_start_loc, ctx.context_lens,
                                                           ctx.block_tables, length, a.scale, one, one),
                                  warmup=5, rep=50, return_mode="median")
     flops = 4 * batch * length * length / 2 * a.num_heads * a.head_dim

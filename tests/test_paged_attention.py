@@ -9,8 +9,8 @@ import torch
 pytest.importorskip("triton")
 
 from lowbit.kernels import paged_attention as pa  # noqa: E402
-from lowbit.kernels._triton import interpreting, kernel, tl  # noqa: E402
-from lowbit.kernels.paged_attention import _e4m3_to_f16_bits  # noqa: E402
+from lowbit.kernels.paged_prefill import paged_prefill  # noqa: E402
+from lowbit.kernels._triton import interpreting  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not interpreting(),
@@ -92,7 +92,7 @@ def test_prefill_and_extend_match_reference(fp8):
     c = make_case(ctx, qlen, dtype=DTYPE, kv_dtype=kv_dtype, seed=3, **SHAPES)
     pa.store_kv_ref(c["k"], c["v"], c["cache"], c["slots"], *c["scales"])
     args = (c["q"], c["cache"], c["qsl"], c["ctx"], c["tables"], max(qlen), 0.125, *c["scales"])
-    out = pa.paged_prefill(*args)
+    out = paged_prefill(*args)
     ref = pa.paged_prefill_ref(*args)
     assert rel_err(out, ref) < 1e-2
 
@@ -112,7 +112,7 @@ def test_fp8_output_for_the_next_linear(splits):
     d = make_case(ctx, [1] * 3, dtype=DTYPE, kv_dtype=torch.float8_e4m3fn, seed=5, **SHAPES)
     pa.store_kv_ref(d["k"], d["v"], d["cache"], d["slots"], *d["scales"])
     dargs = (d["q"], d["cache"], d["tables"], d["ctx"], 0.125, *d["scales"])
-    pairs = [(pa.paged_prefill(*args, out_scale), pa.paged_prefill(*args)),
+    pairs = [(paged_prefill(*args, out_scale), paged_prefill(*args)),
              (pa.paged_decode(*dargs, num_splits=splits, out_scale=out_scale),
               pa.paged_decode(*dargs, num_splits=splits)),
              (pa.paged_prefill_ref(*args, out_scale), pa.paged_prefill_ref(*args)),
@@ -124,55 +124,28 @@ def test_fp8_output_for_the_next_linear(splits):
         assert differ.item() < 0.05 if interpreting() else differ.item() == 0
 
 
-@kernel
-def _bits_kernel(x_ptr, o_ptr, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    tl.store(o_ptr + offs, _e4m3_to_f16_bits(tl.load(x_ptr + offs)))
-
-
-def test_e4m3_bit_trick_is_the_cvt_times_2_pow_minus_8():
-    """_e4m3_to_f16_bits (integer ops) gives exactly the native conversion's fp16 value / 256 for every e4m3 byte
-    but NaN (which the cache never holds), subnormals and signed zeros included."""
-    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F] + [0, 0], dtype=torch.uint8)  # 256 entries
-    x = codes.view(torch.float8_e4m3fn).to(DEVICE)
-    out = torch.empty(256, dtype=torch.float16, device=DEVICE)
-    _bits_kernel[(1,)](x, out, N=256)
-    expect = x.to(torch.float16)
-    assert torch.equal((out.float() * 256).view(torch.int32), expect.float().view(torch.int32))  # -0.0 too
-
-
 def _variant_for_device(v):
     """Interpreter shapes (block size 4, contexts up to 150): 32-token tiles, so the loops run several tiles."""
     return v if DEVICE == "cuda" else v._replace(block_n=min(v.block_n, 32))
 
 
-@pytest.mark.parametrize("name", [n for n, v in pa.DECODE_VARIANTS.items() if not v.no_convert])
+@pytest.mark.parametrize("name", list(pa.DECODE_VARIANTS))
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_variants_match_reference(name, splits):
+def test_decode_variants_match_reference(name, fp8, splits):
     variant = _variant_for_device(pa.DECODE_VARIANTS[name])
     ctx = [1, 17, LONG, 64]  # a 1-token context: with 3 splits two of its splits are empty
-    c = make_case(ctx, [1] * len(ctx), dtype=DTYPE, kv_dtype=torch.float8_e4m3fn, seed=6, **SHAPES)
+    kv_dtype = torch.float8_e4m3fn if fp8 else DTYPE
+    c = make_case(ctx, [1] * len(ctx), dtype=DTYPE, kv_dtype=kv_dtype, seed=6, **SHAPES)
     pa.store_kv_ref(c["k"], c["v"], c["cache"], c["slots"], *c["scales"])
     args = (c["q"], c["cache"], c["tables"], c["ctx"], 0.125, *c["scales"])
     out = pa.paged_decode(*args, num_splits=splits, variant=variant)
     assert rel_err(out, pa.paged_decode_ref(*args)) < 1e-2
-    if variant.bits:  # same fp16 values up to 2^8 as the native conversion: equal up to summation order
-        twin = pa.paged_decode(*args, num_splits=splits, variant=variant._replace(bits=False, early=True))
-        assert rel_err(out, twin) < 1e-4
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_decode_blocks_path_with_bf16_kv(splits):
-    ctx = [1, 17, LONG, 64]
-    c = make_case(ctx, [1] * len(ctx), dtype=DTYPE, kv_dtype=DTYPE, seed=8, **SHAPES)
-    pa.store_kv_ref(c["k"], c["v"], c["cache"], c["slots"], *c["scales"])
-    args = (c["q"], c["cache"], c["tables"], c["ctx"], 0.125, *c["scales"])
-    out = pa.paged_decode(*args, num_splits=splits, variant=_variant_for_device(pa.DECODE_VARIANTS["blk64-prefetch"]))
-    assert rel_err(out, pa.paged_decode_ref(*args)) < 1e-2
-
-
-def test_upper_bound_variant_is_never_the_engine_config(monkeypatch):
-    c = make_case([5], [1], dtype=DTYPE, kv_dtype=torch.float8_e4m3fn, seed=9, **SHAPES)
-    monkeypatch.setitem(pa.DECODE_CONFIG, True, pa.DECODE_VARIANTS["UB-blk128-noconvert"])
-    with pytest.raises(ValueError):
-        pa.paged_decode(c["q"], c["cache"], c["tables"], c["ctx"], 0.125, *c["scales"])
+def test_decode_variant_depends_on_shapes_only():
+    """One choice per (batch, KV heads, cache dtype): a CUDA graph captured at a batch size stays valid."""
+    assert pa.decode_variant(1, 8, True) == pa.DECODE_VARIANTS["rows128"]  # split context
+    assert pa.decode_variant(256, 8, True) == pa.DECODE_VARIANTS["blk128-r128"]
+    assert pa.decode_variant(512, 8, True) == pa.DECODE_VARIANTS["blk128w2"]
+    assert pa.decode_variant(512, 8, False) == pa.DECODE_VARIANTS["rows64"]

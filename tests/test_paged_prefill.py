@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 
 from lowbit.kernels import paged_attention as pa  # noqa: E402
 from lowbit.kernels.norm import quantize_fp8_ref  # noqa: E402
-from lowbit.kernels.paged_prefill import paged_prefill_gqa  # noqa: E402
+from lowbit.kernels.paged_prefill import paged_prefill  # noqa: E402
 from test_paged_attention import DEVICE, DTYPE, LONG, SHAPES, make_case, rel_err  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
 
@@ -30,7 +30,7 @@ def test_grouped_prefill_matches_reference(fp8, heads, config):
     c = make_case(ctx, qlen, dtype=DTYPE, kv_dtype=kv_dtype, seed=3, **shapes)
     pa.store_kv_ref(c["k"], c["v"], c["cache"], c["slots"], *c["scales"])
     args = (c["q"], c["cache"], c["qsl"], c["ctx"], c["tables"], max(qlen), 0.125, *c["scales"])
-    out = paged_prefill_gqa(*args, config=config)
+    out = paged_prefill(*args, config=config)
     ref = pa.paged_prefill_ref(*args)
     assert rel_err(out, ref) < 1e-2
     per_row = (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
@@ -44,7 +44,7 @@ def test_grouped_prefill_fp8_output():
     pa.store_kv_ref(c["k"], c["v"], c["cache"], c["slots"], *c["scales"])
     args = (c["q"], c["cache"], c["qsl"], c["ctx"], c["tables"], max(qlen), 0.125, *c["scales"])
     out_scale = torch.tensor(0.01, device=c["q"].device)
-    fp8, plain = paged_prefill_gqa(*args, out_scale), paged_prefill_gqa(*args)
+    fp8, plain = paged_prefill(*args, out_scale), paged_prefill(*args)
     assert fp8.dtype == torch.float8_e4m3fn
     differ = (fp8.view(torch.uint8) != quantize_fp8_ref(plain, out_scale).view(torch.uint8)).float().mean()
     # the interpreter mis-rounds ~2 % of fp32 -> fp8 casts (ENV.md); compiled, the epilogue is exact

@@ -1,4 +1,5 @@
-"""Paged attention over one KV tensor per layer: KV store, decode (split along the context) and prefill/extend.
+"""Paged attention over one KV tensor per layer: KV store and decode (split along the context); the references of
+decode and prefill/extend (whose kernel is lowbit.kernels.paged_prefill) and the tile helpers both kernels share.
 
 kv_cache [2, num_blocks, block_size, Hk, D], model dtype or float8_e4m3fn holding k / k_scale (v / v_scale).
 Token p of sequence b lives in slot block_tables[b, p // block_size] * block_size + p % block_size.
@@ -15,54 +16,50 @@ from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl
 from lowbit.kernels.norm import quantize_fp8_ref
 
 FP8_MAX = 448.0
-# Tiles by KV dtype: (BLOCK_N, num_warps, num_stages) for decode, (BLOCK_M, BLOCK_N, num_warps, num_stages) for
-# prefill. Winners of an H200 sweep at Llama-8B heads (2026-11-30, docs/serve_gpu_notes.md): FP8 decode with
-# 128-token tiles 223 us vs 306 us (64 x 4096 context), prefill 8-15 % over 64 x 64 tiles.
-PREFILL_CONFIG = {False: (128, 64, 4, 3), True: (64, 128, 4, 3)}
 
 
 class DecodeVariant(NamedTuple):
-    """How paged_decode runs. (block_n, warps, stages) alone is the row-gather kernel of the sweep above."""
+    """How paged_decode runs one launch."""
     block_n: int  # tokens per tile
     warps: int
     stages: int  # Triton software-pipelining stages (1: none)
     # one block-table id per cache block: tiles [block_n / block_size, block_size, D], 64-bit address math per block,
     # rows past the context clamped to its last token (no load masks), next tile's ids loaded during this tile's math
     blocks: bool = False
-    bits: bool = False  # FP8: e4m3 -> fp16 by integer ops (exact, value * 2^-8, 2^8 folded into the scales), no cvt
-    prefetch: bool = False  # (blocks) next tile's K/V loads issued before this tile's math (double buffer in registers)
     maxnreg: int | None = None  # registers per thread at most (ptxas), for more programs per SM
-    early: bool = False  # K and V converted right after their loads (else V after the softmax, in _softmax_step)
-    no_convert: bool = False  # UPPER BOUND for benchmarks only, WRONG results: FP8 bytes reinterpreted, not converted
 
 
-# FP8-KV decode candidates, timed by `python3 bench/attention_tiles.py --decode-fp8-variants` under these names.
-# Comments: registers per thread and programs per SM (by registers) from compiling for sm_90 with Triton 3.9 on the
-# CPU at Llama-8B heads (2026-11-30); bf16 KV's (64, 4, 3) for comparison: 90 registers, 5 per SM. The rows kernel's
-# software pipeline keeps one K/V buffer whatever the stages (the loads wait on the block-table load), so the bytes
-# in flight per SM are about programs x tile; rows128 reads V's FP8 bytes from shared memory one at a time (LDS.U8)
-# to transpose them for the P @ V dot, the blk* tiles (reshaped from [blocks, block_size, D]) do not.
+# Decode tiles. H200 sweep at Llama-8B heads, shuffled block tables (`python3 bench/attention_tiles.py
+# --decode-fp8-variants`, 2026-11-30 20:33 UTC, docs/benchmarks.md run 13), us per launch:
+#                 FP8 512x1500  256x200  512x200  256x1024  64x4096  1x32768 (batch x context)
+#   rows128       617          71.2     131.8    217.5     221.0    60.0     (the FP8 default until then)
+#   blk128-r128   523          57.9     101.7    189.5     191.3    98.5
+#   blk128w2      467.5        81.9     93.2     169.8     167.6    72.2
+#   bf16 rows64   718          74.7     128.6    258.9     251.6    73.1     (2x the bytes: 4.4 TB/s at 512x1500)
+# Lost everywhere: bit-trick e4m3 -> fp16 by integer ops (+30 %), K/V converted right after the loads, register
+# prefetch of the next tile, 8 warps, 64- and 256-token tiles; converting nothing at all (wrong results, an upper
+# bound) ran at blk128-r128's speed, so the conversion is not what limits FP8.
 DECODE_VARIANTS = {
-    "rows128": DecodeVariant(128, 4, 3),  # DECODE_CONFIG[True] until now: 255 + spills, 2 / SM, V bytes via LDS.U8
-    "rows128-early": DecodeVariant(128, 4, 3, early=True),  # 191, no spills, 2 / SM
-    "rows128-bits": DecodeVariant(128, 4, 3, bits=True),  # 254, 2 / SM, ~1.9x the loop's instructions
-    "rows256w8": DecodeVariant(256, 8, 3),  # 250, 1 / SM
-    "blk64": DecodeVariant(64, 4, 1, blocks=True),  # 126, 4 / SM
-    "blk128": DecodeVariant(128, 4, 1, blocks=True),  # 136, 3 / SM
-    "blk128-r128": DecodeVariant(128, 4, 1, blocks=True, maxnreg=128),  # 128 + small spill, 4 / SM
-    "blk128w8": DecodeVariant(128, 8, 1, blocks=True),  # 122, 2 / SM
-    "blk256w8": DecodeVariant(256, 8, 1, blocks=True, maxnreg=168),  # 127, 2 / SM
-    "blk64w2": DecodeVariant(64, 2, 1, blocks=True),  # 160, 6 / SM
-    "blk128w2": DecodeVariant(128, 2, 1, blocks=True),  # 213, 4 / SM, fewest instructions per byte of these
-    "blk128-bits": DecodeVariant(128, 4, 1, blocks=True, bits=True),  # 201, 2 / SM
-    "blk64-prefetch": DecodeVariant(64, 4, 1, blocks=True, prefetch=True),  # 212, 2 / SM
-    "UB-rows128-noconvert": DecodeVariant(128, 4, 3, no_convert=True),  # upper bounds, wrong results: 170, 2 / SM
-    "UB-blk128-noconvert": DecodeVariant(128, 4, 1, blocks=True, no_convert=True),  # 128, 4 / SM
+    "rows64": DecodeVariant(64, 4, 3),  # bf16 KV
+    "rows128": DecodeVariant(128, 4, 3),  # FP8 KV, few programs (the context is split): long single contexts
+    "blk128-r128": DecodeVariant(128, 4, 1, blocks=True, maxnreg=128),  # FP8 KV, one program per (seq, KV head)
+    "blk128w2": DecodeVariant(128, 2, 1, blocks=True),  # FP8 KV, batch >= 384
+    # candidates for the next sweep
+    "blk128w2-r128": DecodeVariant(128, 2, 1, blocks=True, maxnreg=128),
+    "blk64-r96": DecodeVariant(64, 4, 1, blocks=True, maxnreg=96),
+    "blk256w4-r128": DecodeVariant(256, 4, 1, blocks=True, maxnreg=128),
 }
-# What paged_decode runs, keyed by "is the cache FP8". To adopt a variant: True: DECODE_VARIANTS["<name>"].
-DECODE_CONFIG = {False: DecodeVariant(64, 4, 3), True: DECODE_VARIANTS["rows128"]}
-# FP8 K/V: convert to fp16 (a native conversion on Hopper) and run q and P in fp16, instead of bf16
-FP8_KV_F16_DOT = True
+
+
+def decode_variant(batch: int, num_kv_heads: int, fp8: bool) -> DecodeVariant:
+    """The tiles for a decode launch: from shapes only, so one CUDA graph per batch size stays valid."""
+    if not fp8:
+        return DECODE_VARIANTS["rows64"]
+    if decode_splits(batch, num_kv_heads) > 1:
+        return DECODE_VARIANTS["rows128"]
+    return DECODE_VARIANTS["blk128w2" if batch >= 384 else "blk128-r128"]
+
+
 MAX_SPLITS = 16
 TARGET_PROGRAMS = 264  # 2 per SM on the H200's 132 SMs
 
@@ -202,33 +199,6 @@ def _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale):
 
 
 @helper
-def _e4m3_to_f16_bits(x):
-    """float8_e4m3fn tile -> fp16 holding exactly x * 2^-8, by integer ops instead of the cvt instruction: e4m3's
-    exponent (bias 7) and mantissa shifted into fp16's (bias 15), sign moved; subnormals map to subnormals. (NaN would
-    not map to NaN; the cache holds none, store_kv clamps to +-448.)"""
-    b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
-    return (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
-
-
-@helper
-def _dot_tiles(k, v, dot_dtype, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, NO_CVT: tl.constexpr,
-               EARLY: tl.constexpr):
-    """K/V tiles as loaded -> what _softmax_step takes. EARLY: converted to the dots' dtype here, right after the
-    loads (else _softmax_step converts them, V after the softmax: the original order). BITS: FP8 by
-    _e4m3_to_f16_bits (values * 2^-8, the caller folds 2^8 into the scales). NO_CVT: the UPPER BOUND variant, uint16
-    pairs of FP8 bytes reinterpreted as fp16, each used for two columns; no conversion arithmetic, WRONG values
-    (benchmark only)."""
-    if NO_CVT:
-        k, v = k.to(tl.float16, bitcast=True), v.to(tl.float16, bitcast=True)
-        k, v = tl.reshape(tl.join(k, k), [BLOCK_N, D]), tl.reshape(tl.join(v, v), [BLOCK_N, D])
-    elif BITS:
-        k, v = _e4m3_to_f16_bits(k), _e4m3_to_f16_bits(v)
-    elif EARLY:
-        k, v = k.to(dot_dtype), v.to(dot_dtype)
-    return k, v
-
-
-@helper
 def _block_ids(bt_ptr, bt_row, n0, last, BS: tl.constexpr, NB: tl.constexpr):
     """Block-table entries of the NB cache blocks from token n0 (a multiple of BS) on; blocks past token `last`'s are
     clamped to its block, so the load needs no mask."""
@@ -255,11 +225,9 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
                    bt_stride, half_stride, num_splits,
                    HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    BS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
-                   F16_DOT: tl.constexpr, QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr, BITS: tl.constexpr,
-                   PREFETCH: tl.constexpr, EARLY: tl.constexpr, NO_CVT: tl.constexpr):
+                   QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr):
     """Program (b, kv head, split): the G query heads of one KV head over one slice of the context.
-    The switches are DecodeVariant's fields (BLOCKS = blocks, BITS = bits, PREFETCH = prefetch, EARLY = early,
-    NO_CVT = no_convert)."""
+    BLOCKS: tiles gathered block by block (DecodeVariant.blocks), else row by row."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -273,22 +241,9 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
     mask_g = offs_g < G
     q = tl.load(q_ptr + (b * HQ + heads)[:, None] * D + offs_d[None, :], mask=mask_g[:, None], other=0.0)
     k_scale, v_scale = 1.0, 1.0
-    if FP8:
+    if FP8:  # FP8 K/V become fp16 (exact; a native conversion on Hopper), so q and P run in fp16
         k_scale, v_scale = tl.load(ks_ptr), tl.load(vs_ptr)
-        if BITS:  # the tiles hold value * 2^-8
-            k_scale, v_scale = k_scale * 256.0, v_scale * 256.0
-        if F16_DOT or BITS or NO_CVT:
-            q = q.to(tl.float16)
-    if NO_CVT:  # FP8 bytes read in uint16 pairs
-        W: tl.constexpr = D // 2
-        HKDW: tl.constexpr = HKD // 2
-        ptr = kv_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
-        half = half_stride // 2
-    else:
-        W: tl.constexpr = D
-        HKDW: tl.constexpr = HKD
-        ptr = kv_ptr
-        half = half_stride
+        q = q.to(tl.float16)
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -297,27 +252,16 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
         NB: tl.constexpr = BLOCK_N // BS
         last = tl.maximum(end - 1, 0)
         blk = _block_ids(bt_ptr, bt_row, start, last, BS, NB)
-        if PREFETCH:
-            k, v = _kv_blocks(ptr, blk, start, last, kvh, half, HKDW, W, BS, NB)
-            blk = _block_ids(bt_ptr, bt_row, start + BLOCK_N, last, BS, NB)
         for n0 in range(start, end, BLOCK_N):
-            if PREFETCH:  # this tile was loaded last iteration; issue the next one's loads before the math
-                kt, vt = k, v
-                k, v = _kv_blocks(ptr, blk, n0 + BLOCK_N, last, kvh, half, HKDW, W, BS, NB)
-                blk = _block_ids(bt_ptr, bt_row, n0 + 2 * BLOCK_N, last, BS, NB)
-            else:  # the next tile's block ids load during this tile's math
-                kt, vt = _kv_blocks(ptr, blk, n0, last, kvh, half, HKDW, W, BS, NB)
-                blk = _block_ids(bt_ptr, bt_row, n0 + BLOCK_N, last, BS, NB)
-            kt, vt = _dot_tiles(kt, vt, q.dtype, BLOCK_N, D, BITS, NO_CVT, EARLY)
+            k, v = _kv_blocks(kv_ptr, blk, n0, last, kvh, half_stride, HKD, D, BS, NB)
+            blk = _block_ids(bt_ptr, bt_row, n0 + BLOCK_N, last, BS, NB)  # loads during this tile's math
             valid = (n0 + tl.arange(0, BLOCK_N) < end)[None, :]
-            m, l, acc = _softmax_step(q, kt, vt, valid, m, l, acc, qk_scale * k_scale, v_scale)
+            m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale * k_scale, v_scale)
     else:
-        offs_w = tl.arange(0, W)
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            k, v = _kv_tile(ptr, bt_ptr, bt_row, offs_n, mask_n, kvh, offs_w, half, HKDW, W, BS)
-            k, v = _dot_tiles(k, v, q.dtype, BLOCK_N, D, BITS, NO_CVT, EARLY)
+            k, v = _kv_tile(kv_ptr, bt_ptr, bt_row, offs_n, mask_n, kvh, offs_d, half_stride, HKD, D, BS)
             m, l, acc = _softmax_step(q, k, v, mask_n[None, :], m, l, acc, qk_scale * k_scale, v_scale)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     if DIRECT:
@@ -356,7 +300,7 @@ def decode_splits(batch: int, num_kv_heads: int) -> int:
 def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scale,
                  num_splits: int | None = None, out_scale=None, variant: DecodeVariant | None = None) -> torch.Tensor:
     """Triton: same contract as paged_decode_ref. No host sync (graph-capturable).
-    variant: run this DecodeVariant instead of DECODE_CONFIG's (benchmarks, tests)."""
+    variant: run this DecodeVariant instead of decode_variant's choice (benchmarks, tests)."""
     bsz, hq, d = q.shape
     _, _, bs, hk, _ = kv_cache.shape
     g = hq // hk
@@ -366,9 +310,7 @@ def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scal
     os_ = _scale_tensor(out_scale, q.device) if out_scale is not None else q
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     ks, vs = (_scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)) if fp8 else (q, q)
-    cfg = DecodeVariant(*(variant or DECODE_CONFIG[fp8]))
-    if cfg.no_convert and variant is None:
-        raise ValueError("DecodeVariant.no_convert is a benchmark upper bound with wrong results")
+    cfg = variant or decode_variant(bsz, hk, fp8)
     # the block-wise gather needs whole cache blocks per tile and a power-of-two block size
     blocks = cfg.blocks and cfg.block_n % bs == 0 and bs & (bs - 1) == 0
     part = torch.empty(bsz, hq, s, d, dtype=torch.float32, device=q.device) if s > 1 else out
@@ -376,70 +318,10 @@ def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scal
     _decode_kernel[(bsz, hk, s)](q, kv_cache, block_tables, context_lens, ks, vs, os_, out, part, lse, scale * LOG2E,
                                  block_tables.stride(0), kv_cache.stride(0), s, HQ=hq, HKD=hk * d, G=g,
                                  GP=max(16, next_pow2(g)), D=d, BS=bs, BLOCK_N=cfg.block_n, FP8=fp8,
-                                 DIRECT=s == 1, F16_DOT=FP8_KV_F16_DOT, QUANT_OUT=out_scale is not None,
-                                 BLOCKS=blocks, BITS=fp8 and cfg.bits, PREFETCH=blocks and cfg.prefetch,
-                                 EARLY=cfg.early, NO_CVT=fp8 and cfg.no_convert, num_warps=cfg.warps,
-                                 num_stages=cfg.stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+                                 DIRECT=s == 1, QUANT_OUT=out_scale is not None,
+                                 BLOCKS=blocks, num_warps=cfg.warps, num_stages=cfg.stages,
+                                 **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if s > 1:
         _combine_kernel[(bsz * hq,)](part, lse, os_, out, s, D=d, SP=next_pow2(s), model_dtype=_tl_dtype(q.dtype),
                                      QUANT_OUT=out_scale is not None, num_warps=4)
-    return out
-
-
-@kernel
-def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_ptr, qk_scale, bt_stride,
-                    half_stride, HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                    BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
-                    F16_DOT: tl.constexpr, QUANT_OUT: tl.constexpr):
-    """Program (query tile, b, query head): causal attention of new tokens over cached + new keys."""
-    b = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    m0 = tl.program_id(0) * BLOCK_M
-    if m0 >= q_len:
-        return
-    ctx_len = tl.load(ctx_ptr + b)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    mask_m = offs_m < q_len
-    pos = ctx_len - q_len + offs_m  # absolute position of each query
-    rows = (q_start + offs_m).to(tl.int64) * HQ + h
-    q = tl.load(q_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_m[:, None], other=0.0)
-    k_scale, v_scale = 1.0, 1.0
-    if FP8:
-        k_scale, v_scale = tl.load(ks_ptr), tl.load(vs_ptr)
-        if F16_DOT:
-            q = q.to(tl.float16)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    end = tl.minimum(ctx_len, ctx_len - q_len + m0 + BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        k, v = _kv_tile(kv_ptr, bt_ptr, b * bt_stride, offs_n, mask_n, h // G, offs_d, half_stride, HKD, D, BS)
-        valid = mask_n[None, :] & (offs_n[None, :] <= pos[:, None])
-        m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale * k_scale, v_scale)
-    o = acc / l[:, None]
-    tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], _output(o, os_ptr, q_ptr.dtype.element_ty, QUANT_OUT),
-             mask=mask_m[:, None])
-
-
-def paged_prefill(q, kv_cache, query_start_loc, context_lens, block_tables, max_query_len, scale,
-                  k_scale, v_scale, out_scale=None) -> torch.Tensor:
-    """Triton: same contract as paged_prefill_ref. max_query_len (host int) sizes the grid."""
-    t, hq, d = q.shape
-    _, _, bs, hk, _ = kv_cache.shape
-    q = q.contiguous()
-    out = torch.empty_like(q, dtype=q.dtype if out_scale is None else torch.float8_e4m3fn)
-    os_ = _scale_tensor(out_scale, q.device) if out_scale is not None else q
-    fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    ks, vs = (_scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)) if fp8 else (q, q)
-    block_m, block_n, warps, stages = PREFILL_CONFIG[fp8]
-    grid = (cdiv(max_query_len, block_m), block_tables.shape[0], hq)
-    _prefill_kernel[grid](q, kv_cache, block_tables, query_start_loc, context_lens, ks, vs, os_, out, scale * LOG2E,
-                          block_tables.stride(0), kv_cache.stride(0), HQ=hq, HKD=hk * d, G=hq // hk, D=d, BS=bs,
-                          BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, F16_DOT=FP8_KV_F16_DOT,
-                          QUANT_OUT=out_scale is not None, num_warps=warps, num_stages=stages)
     return out

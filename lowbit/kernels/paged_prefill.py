@@ -1,4 +1,4 @@
-"""Prefill / extend attention over paged KV with the query heads of one KV head in one program (grouped-query).
+"""Prefill / extend attention over paged KV (also chunked prefill), the query heads of one KV head in one program.
 
 Same contract as lowbit.kernels.paged_attention.paged_prefill_ref. A program takes BLOCK_T new tokens of one
 sequence times the G query heads that share a KV head, G padded to a power of two GP: M = BLOCK_T * GP rows
@@ -10,7 +10,7 @@ first query position are visible to every row: those tiles run without the causa
 import torch
 
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl
-from lowbit.kernels.paged_attention import FP8_KV_F16_DOT, LOG2E, _kv_tile, _output, _scale_tensor
+from lowbit.kernels.paged_attention import LOG2E, _kv_tile, _output, _scale_tensor
 
 # (BLOCK_T tokens, BLOCK_N keys, num_warps, num_stages), rows per program = BLOCK_T * GP, by (FP8 cache, longest
 # new sequence > 256 tokens). H200 sweep at Llama-8B heads (bench/prefill_tiles.py, docs/serve_gpu_notes.md).
@@ -33,11 +33,11 @@ def _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr):
 
 
 @kernel
-def _prefill_gqa_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_ptr, qk_scale, bt_stride,
+def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_ptr, qk_scale, bt_stride,
                         half_stride, HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                         D: tl.constexpr,
                         BS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
-                        F16_DOT: tl.constexpr, QUANT_OUT: tl.constexpr):
+                        QUANT_OUT: tl.constexpr):
     """Program (token tile, b, kv head): rows = BLOCK_T new tokens x the G query heads of KV head kvh."""
     M: tl.constexpr = BLOCK_T * GP
     b = tl.program_id(1).to(tl.int64)
@@ -57,10 +57,9 @@ def _prefill_gqa_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr,
     offs_d = tl.arange(0, D)
     q = tl.load(q_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_r[:, None], other=0.0)
     k_scale, v_scale = 1.0, 1.0
-    if FP8:
+    if FP8:  # FP8 K/V become fp16 (exact), so q and P run in fp16
         k_scale, v_scale = tl.load(ks_ptr), tl.load(vs_ptr)
-        if F16_DOT:
-            q = q.to(tl.float16)
+        q = q.to(tl.float16)
     qk_scale = qk_scale * k_scale
     m = tl.full([M], float("-inf"), tl.float32)
     l = tl.zeros([M], tl.float32)
@@ -83,7 +82,7 @@ def _prefill_gqa_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr,
              mask=mask_r[:, None])
 
 
-def paged_prefill_gqa(q, kv_cache, query_start_loc, context_lens, block_tables, max_query_len, scale,
+def paged_prefill(q, kv_cache, query_start_loc, context_lens, block_tables, max_query_len, scale,
                       k_scale, v_scale, out_scale=None, config=None) -> torch.Tensor:
     """Triton: same contract as paged_prefill_ref. max_query_len (host int) sizes the grid."""
     t, hq, d = q.shape
@@ -98,8 +97,8 @@ def paged_prefill_gqa(q, kv_cache, query_start_loc, context_lens, block_tables, 
     block_t, block_n, warps, stages = config or CONFIG[fp8, max_query_len > 256]
     block_t = max(block_t, 16 // gp)  # tl.dot needs >= 16 rows
     grid = (cdiv(max_query_len, block_t), block_tables.shape[0], hk)
-    _prefill_gqa_kernel[grid](q, kv_cache, block_tables, query_start_loc, context_lens, ks, vs, os_, out,
+    _prefill_kernel[grid](q, kv_cache, block_tables, query_start_loc, context_lens, ks, vs, os_, out,
                               scale * LOG2E, block_tables.stride(0), kv_cache.stride(0), HQ=hq, HKD=hk * d, G=g, GP=gp, D=d,
-                              BS=bs, BLOCK_T=block_t, BLOCK_N=block_n, FP8=fp8, F16_DOT=FP8_KV_F16_DOT,
+                              BS=bs, BLOCK_T=block_t, BLOCK_N=block_n, FP8=fp8,
                               QUANT_OUT=out_scale is not None, num_warps=warps, num_stages=stages)
     return out

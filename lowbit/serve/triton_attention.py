@@ -6,7 +6,7 @@ Decode steps read only device tensors (graph-capturable); other steps size their
 import torch
 
 from lowbit.kernels import paged_attention as pa
-from lowbit.kernels.paged_prefill import paged_prefill_gqa
+from lowbit.kernels.paged_prefill import paged_prefill
 from lowbit.serve.context import StepContext
 
 
@@ -20,5 +20,5 @@ class TritonAttentionBackend:
         if ctx.is_decode:
             return pa.paged_decode(q, kv_cache, ctx.block_tables, ctx.context_lens, scale, k_scale, v_scale,
                                    out_scale=out_scale)
-        return paged_prefill_gqa(q, kv_cache, ctx.query_start_loc, ctx.context_lens, ctx.block_tables,
+        return paged_prefill(q, kv_cache, ctx.query_start_loc, ctx.context_lens, ctx.block_tables,
                                  max(ctx.query_lens_cpu), scale, k_scale, v_scale, out_scale)
