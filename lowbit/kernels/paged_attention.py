@@ -29,8 +29,8 @@ class DecodeVariant(NamedTuple):
     maxnreg: int | None = None  # registers per thread at most (ptxas), for more programs per SM
 
 
-# Decode tiles. H200 sweep at Llama-8B heads, shuffled block tables (`python3 bench/attention_tiles.py
-# --decode-fp8-variants`, 2026-11-30 20:33 UTC, docs/benchmarks.md run 13), us per launch:
+# Decode tiles. H200 sweep at Llama-8B heads, shuffled block tables (`python3 bench/attention_tiles.py`, 2026-11-30
+# 20:20 UTC, docs/benchmarks.md run 13), us per launch:
 #                 FP8 512x1500  256x200  512x200  256x1024  64x4096  1x32768 (batch x context)
 #   rows128       617          71.2     131.8    217.5     221.0    60.0     (the FP8 default until then)
 #   blk128-r128   523          57.9     101.7    189.5     191.3    98.5
