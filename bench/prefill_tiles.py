@@ -17,8 +17,8 @@ from lowbit.kernels.paged_prefill import paged_prefill  # noqa: E402
 
 BLOCK, HK, HQ, D = 16, 8, 32, 128
 CASES = ((4, 2048, 2048), (64, 128, 128), (4, 512, 2048))  # (sequences, new tokens, context)
-CONFIGS = ((16, 64, 4, 3), (16, 128, 4, 3), (32, 64, 4, 3), (32, 64, 8, 3), (32, 128, 8, 3), (32, 128, 8, 2),
-           (64, 64, 8, 3), (32, 64, 8, 2))  # (BLOCK_T, BLOCK_N, warps, stages)
+CONFIGS = ((16, 64, 4, 3), (32, 128, 8, 3), (16, 64, 4, 3, True), (16, 128, 4, 3, True), (32, 64, 4, 3, True),
+           (32, 128, 8, 3, True), (32, 64, 8, 3, True), (64, 64, 8, 3, True))  # PrefillTiles; True: block-wise gather
 
 
 def case_inputs(kv_dtype, seqs, qlen, ctx):

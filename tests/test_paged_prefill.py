@@ -16,7 +16,8 @@ from lowbit.kernels._triton import interpreting  # noqa: E402
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not interpreting(),
                                 reason="needs a GPU or the Triton interpreter (TRITON_INTERPRET=1 before triton)")
 # Tiles small enough for the interpreter's shapes, and ones that leave a partial tile at each end
-CONFIGS = [None, (16, 32, 4, 2), (8, 16, 4, 2)] if DEVICE == "cpu" else [None, (16, 128, 4, 3), (64, 64, 8, 2)]
+CONFIGS = ([None, (16, 32, 4, 2), (8, 16, 4, 2), (16, 32, 4, 2, True), (8, 16, 4, 2, True)] if DEVICE == "cpu" else
+           [None, (16, 128, 4, 3), (64, 64, 8, 2), (16, 64, 4, 3, True), (32, 128, 8, 3, True)])  # (..., blocks)
 
 
 @pytest.mark.parametrize("config", CONFIGS)

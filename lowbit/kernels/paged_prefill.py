@@ -3,19 +3,29 @@
 Same contract as lowbit.kernels.paged_attention.paged_prefill_ref. A program takes BLOCK_T new tokens of one
 sequence times the G query heads that share a KV head, G padded to a power of two GP: M = BLOCK_T * GP rows
 [token-major: row r = token r // GP, head r % GP; heads >= G masked], so each K/V tile is loaded (and, for an FP8
-cache, converted) once for G heads. Keys below the tile's
-first query position are visible to every row: those tiles run without the causal mask; only the last tiles
-(at most ceil(BLOCK_T / BLOCK_N) + 1) are masked.
+cache, converted) once for G heads. Keys below the tile's first query position are visible to every row: those
+tiles run without the causal mask; only the last tiles (at most ceil(BLOCK_T / BLOCK_N) + 1) are masked.
 """
+from typing import NamedTuple
+
 import torch
 
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl
-from lowbit.kernels.paged_attention import LOG2E, _kv_tile, _output, _scale_tensor
+from lowbit.kernels.paged_attention import LOG2E, _block_ids, _kv_blocks, _kv_tile, _output, _scale_tensor
 
-# (BLOCK_T tokens, BLOCK_N keys, num_warps, num_stages), rows per program = BLOCK_T * GP, by (FP8 cache, longest
-# new sequence > 256 tokens). H200 sweep at Llama-8B heads (bench/prefill_tiles.py, docs/serve_gpu_notes.md).
-CONFIG = {(False, False): (16, 64, 4, 3), (False, True): (16, 64, 4, 3),
-          (True, False): (16, 64, 4, 3), (True, True): (32, 128, 8, 3)}
+
+class PrefillTiles(NamedTuple):
+    block_t: int  # new tokens per program (rows = block_t * GP)
+    block_n: int  # keys per tile
+    warps: int
+    stages: int
+    blocks: bool = False  # K/V gathered block by block (as paged_attention's decode), else row by row
+
+
+# By (FP8 cache, longest new sequence > 256 tokens). H200 sweep at Llama-8B heads (bench/prefill_tiles.py,
+# docs/benchmarks.md run 12).
+CONFIG = {(False, False): PrefillTiles(16, 64, 4, 3), (False, True): PrefillTiles(16, 64, 4, 3),
+          (True, False): PrefillTiles(16, 64, 4, 3), (True, True): PrefillTiles(32, 128, 8, 3)}
 
 
 @helper
@@ -32,12 +42,23 @@ def _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr):
     return m_new, l, acc
 
 
+@helper
+def _tile(kv_ptr, bt_ptr, bt_row, n0, end, kvh, offs_d, half_stride, HKD: tl.constexpr, D: tl.constexpr,
+          BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):
+    """K, V [BLOCK_N, D] of tokens n0.. (< end; rows past it are zeros, or with BLOCKS copies of token end - 1)."""
+    if BLOCKS:
+        NB: tl.constexpr = BLOCK_N // BS
+        blk = _block_ids(bt_ptr, bt_row, n0, end - 1, BS, NB)
+        return _kv_blocks(kv_ptr, blk, n0, end - 1, kvh, half_stride, HKD, D, BS, NB)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    return _kv_tile(kv_ptr, bt_ptr, bt_row, offs_n, offs_n < end, kvh, offs_d, half_stride, HKD, D, BS)
+
+
 @kernel
 def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_ptr, qk_scale, bt_stride,
-                        half_stride, HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                        D: tl.constexpr,
-                        BS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
-                        QUANT_OUT: tl.constexpr):
+                    half_stride, HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                    D: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                    FP8: tl.constexpr, QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr):
     """Program (token tile, b, kv head): rows = BLOCK_T new tokens x the G query heads of KV head kvh."""
     M: tl.constexpr = BLOCK_T * GP
     b = tl.program_id(1).to(tl.int64)
@@ -65,17 +86,15 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_
     l = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
     full_end = (first + 1) // BLOCK_N * BLOCK_N  # keys < first + 1 are visible to every row
-    for n0 in range(0, full_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        k, v = _kv_tile(kv_ptr, bt_ptr, b * bt_stride, offs_n, offs_n < full_end, kvh, offs_d, half_stride, HKD, D,
-                        BS)
-        m, l, acc = _step(q, k, v, None, m, l, acc, qk_scale, v_scale, False)
     end = tl.minimum(ctx_len, first + BLOCK_T)
+    bt_row = b * bt_stride
+    for n0 in range(0, full_end, BLOCK_N):
+        k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, full_end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS)
+        m, l, acc = _step(q, k, v, None, m, l, acc, qk_scale, v_scale, False)
     for n0 in range(full_end, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        k, v = _kv_tile(kv_ptr, bt_ptr, b * bt_stride, offs_n, mask_n, kvh, offs_d, half_stride, HKD, D, BS)
-        valid = mask_n[None, :] & (offs_n[None, :] <= pos[:, None])
+        k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS)
+        valid = (offs_n[None, :] < end) & (offs_n[None, :] <= pos[:, None])
         m, l, acc = _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, True)
     o = acc / l[:, None]
     tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], _output(o, os_ptr, q_ptr.dtype.element_ty, QUANT_OUT),
@@ -83,7 +102,7 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_
 
 
 def paged_prefill(q, kv_cache, query_start_loc, context_lens, block_tables, max_query_len, scale,
-                      k_scale, v_scale, out_scale=None, config=None) -> torch.Tensor:
+                  k_scale, v_scale, out_scale=None, config: PrefillTiles | None = None) -> torch.Tensor:
     """Triton: same contract as paged_prefill_ref. max_query_len (host int) sizes the grid."""
     t, hq, d = q.shape
     _, _, bs, hk, _ = kv_cache.shape
@@ -94,11 +113,13 @@ def paged_prefill(q, kv_cache, query_start_loc, context_lens, block_tables, max_
     os_ = _scale_tensor(out_scale, q.device) if out_scale is not None else q
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     ks, vs = (_scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)) if fp8 else (q, q)
-    block_t, block_n, warps, stages = config or CONFIG[fp8, max_query_len > 256]
-    block_t = max(block_t, 16 // gp)  # tl.dot needs >= 16 rows
+    tiles = PrefillTiles(*(config or CONFIG[fp8, max_query_len > 256]))
+    block_t = max(tiles.block_t, 16 // gp)  # tl.dot needs >= 16 rows
+    # the block-wise gather needs whole cache blocks per tile and a power-of-two block size
+    blocks = tiles.blocks and tiles.block_n % bs == 0 and bs & (bs - 1) == 0
     grid = (cdiv(max_query_len, block_t), block_tables.shape[0], hk)
-    _prefill_kernel[grid](q, kv_cache, block_tables, query_start_loc, context_lens, ks, vs, os_, out,
-                              scale * LOG2E, block_tables.stride(0), kv_cache.stride(0), HQ=hq, HKD=hk * d, G=g, GP=gp, D=d,
-                              BS=bs, BLOCK_T=block_t, BLOCK_N=block_n, FP8=fp8,
-                              QUANT_OUT=out_scale is not None, num_warps=warps, num_stages=stages)
+    _prefill_kernel[grid](q, kv_cache, block_tables, query_start_loc, context_lens, ks, vs, os_, out, scale * LOG2E,
+                          block_tables.stride(0), kv_cache.stride(0), HQ=hq, HKD=hk * d, G=g, GP=gp, D=d, BS=bs,
+                          BLOCK_T=block_t, BLOCK_N=tiles.block_n, FP8=fp8, QUANT_OUT=out_scale is not None,
+                          BLOCKS=blocks, num_warps=tiles.warps, num_stages=tiles.stages)
     return out
