@@ -146,6 +146,6 @@ def test_decode_variants_match_reference(name, fp8, splits):
 def test_decode_variant_depends_on_shapes_only():
     """One choice per (batch, KV heads, cache dtype): a CUDA graph captured at a batch size stays valid."""
     assert pa.decode_variant(1, 8, True) == pa.DECODE_VARIANTS["rows128"]  # split context
-    assert pa.decode_variant(256, 8, True) == pa.DECODE_VARIANTS["blk128-r128"]
+    assert pa.decode_variant(256, 8, True) == pa.DECODE_VARIANTS["blk128w2"]
     assert pa.decode_variant(512, 8, True) == pa.DECODE_VARIANTS["blk128w2"]
     assert pa.decode_variant(512, 8, False) == pa.DECODE_VARIANTS["rows64"]

@@ -26,28 +26,22 @@ class DecodeVariant(NamedTuple):
     # one block-table id per cache block: tiles [block_n / block_size, block_size, D], 64-bit address math per block,
     # rows past the context clamped to its last token (no load masks), next tile's ids loaded during this tile's math
     blocks: bool = False
-    maxnreg: int | None = None  # registers per thread at most (ptxas), for more programs per SM
 
 
-# Decode tiles. H200 sweep at Llama-8B heads, shuffled block tables (`python3 bench/attention_tiles.py`, 2026-11-30
-# 20:20 UTC, docs/benchmarks.md run 13), us per launch:
-#                 FP8 512x1500  256x200  512x200  256x1024  64x4096  1x32768 (batch x context)
-#   rows128       617          71.2     131.8    217.5     221.0    60.0     (the FP8 default until then)
-#   blk128-r128   523          57.9     101.7    189.5     191.3    98.5
-#   blk128w2      467.5        81.9     93.2     169.8     167.6    72.2
-#   bf16 rows64   718          74.7     128.6    258.9     251.6    73.1     (2x the bytes: 4.4 TB/s at 512x1500)
+# Decode tiles. H200 sweeps at Llama-8B heads, shuffled block tables (`python3 bench/attention_tiles.py`,
+# 2026-11-30 20:20 and 20:39 UTC, docs/benchmarks.md runs 13-14), us per launch, FP8 KV unless noted:
+#                 512x1500  256x200      512x200  256x1024  64x4096 (batch x context)
+#   rows128       615-617   71-72        132      218       221     (the default until then)
+#   blk128w2      467-469   55 (82 once) 93-94    170       168
+#   blk128 r128   523-526   58           102      190       192     (maxnreg 128; 256-token tiles alike)
+#   bf16 rows64   718       74           128      257       252     (2x the bytes: 4.4 TB/s at 512x1500)
 # Lost everywhere: bit-trick e4m3 -> fp16 by integer ops (+30 %), K/V converted right after the loads, register
-# prefetch of the next tile, 8 warps, 64- and 256-token tiles; converting nothing at all (wrong results, an upper
-# bound) ran at blk128-r128's speed, so the conversion is not what limits FP8.
+# prefetch of the next tile, 8 warps, 64-token tiles; converting nothing at all (wrong results, an upper bound) ran
+# at the blk128 r128 speed, so the conversion does not limit FP8 decode.
 DECODE_VARIANTS = {
     "rows64": DecodeVariant(64, 4, 3),  # bf16 KV
     "rows128": DecodeVariant(128, 4, 3),  # FP8 KV, few programs (the context is split): long single contexts
-    "blk128-r128": DecodeVariant(128, 4, 1, blocks=True, maxnreg=128),  # FP8 KV, one program per (seq, KV head)
-    "blk128w2": DecodeVariant(128, 2, 1, blocks=True),  # FP8 KV, batch >= 384
-    # candidates for the next sweep
-    "blk128w2-r128": DecodeVariant(128, 2, 1, blocks=True, maxnreg=128),
-    "blk64-r96": DecodeVariant(64, 4, 1, blocks=True, maxnreg=96),
-    "blk256w4-r128": DecodeVariant(256, 4, 1, blocks=True, maxnreg=128),
+    "blk128w2": DecodeVariant(128, 2, 1, blocks=True),  # FP8 KV, one program per (sequence, KV head)
 }
 
 
@@ -55,9 +49,7 @@ def decode_variant(batch: int, num_kv_heads: int, fp8: bool) -> DecodeVariant:
     """The tiles for a decode launch: from shapes only, so one CUDA graph per batch size stays valid."""
     if not fp8:
         return DECODE_VARIANTS["rows64"]
-    if decode_splits(batch, num_kv_heads) > 1:
-        return DECODE_VARIANTS["rows128"]
-    return DECODE_VARIANTS["blk128w2" if batch >= 384 else "blk128-r128"]
+    return DECODE_VARIANTS["rows128" if decode_splits(batch, num_kv_heads) > 1 else "blk128w2"]
 
 
 MAX_SPLITS = 16
@@ -319,8 +311,7 @@ def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scal
                                  block_tables.stride(0), kv_cache.stride(0), s, HQ=hq, HKD=hk * d, G=g,
                                  GP=max(16, next_pow2(g)), D=d, BS=bs, BLOCK_N=cfg.block_n, FP8=fp8,
                                  DIRECT=s == 1, QUANT_OUT=out_scale is not None,
-                                 BLOCKS=blocks, num_warps=cfg.warps, num_stages=cfg.stages,
-                                 **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+                                 BLOCKS=blocks, num_warps=cfg.warps, num_stages=cfg.stages)
     if s > 1:
         _combine_kernel[(bsz * hq,)](part, lse, os_, out, s, D=d, SP=next_pow2(s), model_dtype=_tl_dtype(q.dtype),
                                      QUANT_OUT=out_scale is not None, num_warps=4)

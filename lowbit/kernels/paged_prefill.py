@@ -22,9 +22,10 @@ class PrefillTiles(NamedTuple):
     blocks: bool = False  # K/V gathered block by block (as paged_attention's decode), else row by row
 
 
-# By (FP8 cache, longest new sequence > 256 tokens). H200 sweep at Llama-8B heads (bench/prefill_tiles.py,
-# docs/benchmarks.md run 12).
-CONFIG = {(False, False): PrefillTiles(16, 64, 4, 3), (False, True): PrefillTiles(16, 64, 4, 3),
+# By (FP8 cache, longest new sequence > 256 tokens). H200 sweeps at Llama-8B heads (bench/prefill_tiles.py,
+# docs/benchmarks.md runs 12 and 14): the block-wise gather wins only for bf16 KV and short prompts (64 x 128
+# tokens: 100 vs 110 us), and loses 2-60 % elsewhere.
+CONFIG = {(False, False): PrefillTiles(16, 64, 4, 3, blocks=True), (False, True): PrefillTiles(16, 64, 4, 3),
           (True, False): PrefillTiles(16, 64, 4, 3), (True, True): PrefillTiles(32, 128, 8, 3)}
 
 
