@@ -183,7 +183,12 @@ def main(argv=None) -> int:
     p.add_argument("--phases", default="ops,replay")
     p.add_argument("--json")
     p.add_argument("--tiny", action="store_true", help="tiny fp32 model on the CPU (plumbing check)")
+    p.add_argument("--max-splits", type=int, help="decode attention splits the context at most this often (1: the "
+                   "check's small batches run the unsplit tiles that large batches use)")
     a = p.parse_args(argv)
+    if a.max_splits:
+        from lowbit.kernels import paged_attention
+        paged_attention.MAX_SPLITS = a.max_splits
     bench = load_script("serve_bench.py")
     args = bench.parse(["--tiny", "--device", "cpu"] if a.tiny else [])
     out = {}
