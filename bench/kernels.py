@@ -288,7 +288,7 @@ def bench_gemms(shapes, ms, variants, dev, reps, w4_best=None):
                     cfg = None if gemv else (w4_best or {}).get((v, k, n, m))
                     rows.append(guarded(bench_one, v, k, n, m, dev, reps, cfg))
                     if v.startswith("w4_"):
-                        rows[-1]["config"] = ("gemv", w4_gemv.choose_gemv_config(m, n, k, v[3:])) if gemv else \
+                        rows[-1]["config"] = ("gemv", w4_gemv.GEMV_CONFIG) if gemv else \
                             cfg or w4a16.choose_config(m, n, k, v[3:])
                     print(f"{v} {m}x{k}->{n}: {rows[-1]['us']:.1f} us {rows[-1].get('config', '')}", flush=True)
     return rows
