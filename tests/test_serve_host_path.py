@@ -44,7 +44,7 @@ def list_inputs(batch, rows, bs):
         slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
         qsl.append(qsl[-1] + n)
         ctx_lens.append(start + n)
-    width = max(len(s.block_table) for s in batch.seqs)
+    width = -(-max(len(s.block_table) for s in batch.seqs) // 16) * 16  # BlockTables' width multiple
     tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
     return dict(input_ids=ids, positions=positions, slot_mapping=slots, query_start_loc=qsl, context_lens=ctx_lens,
                 block_tables=tables, logits_indices=logits_indices)
@@ -89,7 +89,7 @@ def test_step_inputs_equal_the_list_built_ones_through_chunks_reuse_and_preempti
 
 def test_block_tables_keep_rows_and_write_only_new_blocks():
     a, b, c = (SimpleNamespace(seq_id=i, block_table=[]) for i in range(3))
-    t = BlockTables(rows=2, cols=2)
+    t = BlockTables(rows=2, cols=2, multiple=1)
     a.block_table += [5]
     b.block_table += [7, 8]
     assert t.gather([a, b]).tolist() == [[5, 0], [7, 8]]
@@ -101,6 +101,16 @@ def test_block_tables_keep_rows_and_write_only_new_blocks():
     b.block_table = [1, 2]
     assert t.gather([a, b, c]).tolist() == [[4, 0], [1, 2], [3, 0]]  # b needs a third row: the array grows
     assert isinstance(t.gather([c]), np.ndarray) and t.gather([c]).dtype == np.int32
+
+
+def test_block_table_width_is_a_multiple_of_16():
+    """The row stride the attention kernels get keeps one Triton specialization as tables grow."""
+    t = BlockTables(rows=2, cols=4)
+    a = SimpleNamespace(seq_id=0, block_table=[5, 6])
+    assert t.gather([a]).tolist() == [[5, 6] + [0] * 14]
+    a.block_table += list(range(10, 25))  # 17 blocks
+    got = t.gather([a])
+    assert got.shape == (1, 32) and got[0, :17].tolist() == [5, 6] + list(range(10, 25)) and not got[0, 17:].any()
 
 
 def test_outputs_carry_deltas_until_the_final_cumulative_one():

@@ -136,13 +136,18 @@ class BlockTables:
     last step, into which a step writes only the blocks a sequence gained. Relies on BlockManager's contract that a
     held block_table only grows by append (a new allocation is a new list)."""
 
-    def __init__(self, rows: int, cols: int):
+    def __init__(self, rows: int, cols: int, multiple: int = 16):
         self.array = np.zeros((rows, cols), np.int32)
+        # the width handed out is a multiple of this: the attention kernels take the row stride as an int argument,
+        # which Triton specializes on divisibility by 16, so a width that only grows would compile a new kernel
+        # variant (~1 s, mid-run) the first step the longest table reaches 16 * k blocks
+        self.multiple = multiple
         self.free = list(range(rows - 1, -1, -1))  # rows held by no sequence, popped from the end
         self.entries: dict[int, list] = {}  # seq_id -> [row, the block_table list written from, blocks written]
 
     def gather(self, seqs: list) -> np.ndarray:
-        """[len(seqs), longest table] int32, padded with 0. Sequences absent from this step give up their rows."""
+        """[len(seqs), longest table rounded up to `multiple`] int32, padded with 0. Sequences absent from this step
+        give up their rows."""
         old, self.entries = self.entries, {}
         rows, width = [], 1
         for seq in seqs:
@@ -157,6 +162,9 @@ class BlockTables:
             rows.append(row)
             width = max(width, len(table))
         self.free += [entry[0] for entry in old.values()]
+        width = -(-width // self.multiple) * self.multiple
+        if width > self.array.shape[1]:
+            self.array = np.pad(self.array, ((0, 0), (0, width - self.array.shape[1])))
         return self.array[rows, :width]
 
     def _write(self, row: int, table: list[int], start: int) -> None:
