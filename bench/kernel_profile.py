@@ -93,9 +93,10 @@ def decode_step(engine, batch: int, context: int):
     return step
 
 
-def prefill_step(engine, tokens: int, length: int):
-    r = engine.runner
-    batch, bs_ = tokens // length, engine.config.block_size
+def prefill_inputs(engine, batch: int, length: int):
+    """-> input ids [batch * length] and the StepContext of one prefill step of `batch` whole prompts of `length`
+    tokens (random ids, contiguous blocks)."""
+    r, bs_ = engine.runner, engine.config.block_size
     n, per_seq, dev = batch * length, length // bs_, r.device
     ctx = StepContext(positions=torch.arange(length, device=dev).repeat(batch), slot_mapping=torch.arange(n, device=dev),
                       query_start_loc=torch.arange(0, n + 1, length, dtype=torch.int32, device=dev),
@@ -103,11 +104,16 @@ def prefill_step(engine, tokens: int, length: int):
                       block_tables=torch.arange(batch * per_seq, dtype=torch.int32, device=dev).view(batch, per_seq),
                       logits_indices=torch.arange(length - 1, n, length, device=dev), is_decode=False,
                       query_lens_cpu=[length] * batch, context_lens_cpu=[length] * batch)
-    ids = torch.randint(0, r.model.config["vocab_size"], (n,), device=dev)
+    return torch.randint(0, r.model.config["vocab_size"], (n,), device=dev), ctx
+
+
+def prefill_step(engine, tokens: int, length: int):
+    model = engine.runner.model
+    ids, ctx = prefill_inputs(engine, tokens // length, length)
 
     def step():
         with torch.inference_mode():
-            r.model.compute_logits(r.model(ids, ctx)[ctx.logits_indices])
+            model.compute_logits(model(ids, ctx)[ctx.logits_indices])
     return step
 
 

@@ -141,25 +141,12 @@ def prefill_times(bench, args, fmt, batch=4, length=2048) -> dict:
     import triton
 
     from lowbit.kernels.paged_prefill import paged_prefill
-    from lowbit.serve.context import StepContext
 
     engine = bench.build_engine(args, fmt, max_num_tokens=batch * length)
-    r = engine.runner
-    bs, n = engine.config.block_size, batch * length
-    per_seq = length // bs
+    r, n = engine.runner, batch * length
     dev = r.device
-    ctx = StepContext(positions=torch.arange(length, device=dev).repeat(batch), slot_mapping=torch.arange(n, device=dev),
-                      query_start_loc=torch.arange(0, n + 1, length, dtype=torch.int32, device=dev),
-                      context_lens=torch.full((batch,), length, dtype=torch.int32, device=dev),
-                      block_tables=torch.arange(batch * per_seq, dtype=torch.int32, device=dev).view(batch, per_seq),
-                      logits_indices=torch.arange(length - 1, n, length, device=dev), is_decode=False,
-                      query_lens_cpu=[length] * batch, context_lens_cpu=[length] * batch)
-    ids = torch.randint(0, 1000, (n,), device=dev)
-
-    def step():
-        with torch.inference_mode():
-            r.model.compute_logits(r.model(ids, ctx)[ctx.logits_indices])
-
+    profile = load_script("kernel_profile.py")
+    step, ctx = profile.prefill_step(engine, n, length), profile.prefill_inputs(engine, batch, length)[1]
     res = {"format": fmt, "tokens": n, "model_ms": round(triton.testing.do_bench(step, warmup=2, rep=20,
                                                                                  return_mode="median"), 2)}
     a = r.attn_layers[0]

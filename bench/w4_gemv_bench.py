@@ -17,7 +17,6 @@ Prints JSON lines (one per check and per timing) and a final markdown table; --j
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without pip install -e
 
+from lowbit.bench_cli import load_script  # noqa: E402
 from lowbit.kernels import w4_gemv, w4a16  # noqa: E402
 
 DEV = "cpu" if DRY_RUN else "cuda"
@@ -133,27 +133,7 @@ def graph_time_us(fns, reps) -> float:
             f()
         return (time.perf_counter() - t0) * 1e6 / len(fns)
     calls = fns * -(-MIN_CALLS // len(fns))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:  # compile and warm outside the capture
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in calls:
-            f()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / len(calls))
-    del graph
-    return statistics.median(times)
+    return load_script("kernels.py").time_us(calls, reps)
 
 
 def copies_for(nbytes) -> int:

@@ -178,10 +178,11 @@ def _kv_tile(kv_ptr, bt_ptr, bt_row, offs_n, mask_n, kvh, offs_d, half_stride, H
 
 
 @helper
-def _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale):
-    """q [M, D], k/v [N, D], valid [M, N] -> updated running max m [M], sum l [M], acc [M, D] (all fp32)."""
+def _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr):
+    """q [M, D], k/v [N, D], valid [M, N] (if MASKED) -> updated running max m [M], sum l [M], acc [M, D] (fp32)."""
     s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
-    s = tl.where(valid, s, float("-inf"))
+    if MASKED:
+        s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -248,13 +249,14 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
             k, v = _kv_blocks(kv_ptr, blk, n0, last, kvh, half_stride, HKD, D, BS, NB)
             blk = _block_ids(bt_ptr, bt_row, n0 + BLOCK_N, last, BS, NB)  # loads during this tile's math
             valid = (n0 + tl.arange(0, BLOCK_N) < end)[None, :]
-            m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale * k_scale, v_scale)
+            m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale * k_scale, v_scale, True)
     else:
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v = _kv_tile(kv_ptr, bt_ptr, bt_row, offs_n, mask_n, kvh, offs_d, half_stride, HKD, D, BS)
-            m, l, acc = _softmax_step(q, k, v, mask_n[None, :], m, l, acc, qk_scale * k_scale, v_scale)
+            m, l, acc = _softmax_step(q, k, v, mask_n[None, :], m, l, acc, qk_scale * k_scale, v_scale,
+                                      True)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     if DIRECT:
         tl.store(out_ptr + (b * HQ + heads)[:, None] * D + offs_d[None, :],

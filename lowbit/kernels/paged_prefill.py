@@ -11,7 +11,8 @@ from typing import NamedTuple
 import torch
 
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl
-from lowbit.kernels.paged_attention import LOG2E, _block_ids, _kv_blocks, _kv_tile, _output, _scale_tensor
+from lowbit.kernels.paged_attention import (LOG2E, _block_ids, _kv_blocks, _kv_tile, _output, _scale_tensor,
+                                            _softmax_step)
 
 
 class PrefillTiles(NamedTuple):
@@ -27,20 +28,6 @@ class PrefillTiles(NamedTuple):
 # tokens: 100 vs 110 us), and loses 2-60 % elsewhere.
 CONFIG = {(False, False): PrefillTiles(16, 64, 4, 3, blocks=True), (False, True): PrefillTiles(16, 64, 4, 3),
           (True, False): PrefillTiles(16, 64, 4, 3), (True, True): PrefillTiles(32, 128, 8, 3)}
-
-
-@helper
-def _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr):
-    """One key tile of the online softmax (log2 domain, fp32): q [M, D], k/v [N, D]; valid [M, N] if MASKED."""
-    s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
-    if MASKED:
-        s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)) * v_scale
-    return m_new, l, acc
 
 
 @helper
@@ -91,12 +78,12 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_
     bt_row = b * bt_stride
     for n0 in range(0, full_end, BLOCK_N):
         k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, full_end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS)
-        m, l, acc = _step(q, k, v, None, m, l, acc, qk_scale, v_scale, False)
+        m, l, acc = _softmax_step(q, k, v, None, m, l, acc, qk_scale, v_scale, False)
     for n0 in range(full_end, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS)
         valid = (offs_n[None, :] < end) & (offs_n[None, :] <= pos[:, None])
-        m, l, acc = _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, True)
+        m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, True)
     o = acc / l[:, None]
     tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], _output(o, os_ptr, q_ptr.dtype.element_ty, QUANT_OUT),
              mask=mask_r[:, None])
