@@ -15,9 +15,12 @@ check)
     part "engine vs reference, every format (overlapped steps included); graph replay times"
     timeout 200 python3 bench/serve_diag.py --phases check,replay --formats fp8,bf16,int4_awq,nvfp4 \
         --json "$OUT/diag.json" 2>&1 | grep '"format"'
-    part "attention, W4 GEMV and sampler kernels against their references"
+    part "attention and sampler kernels against their references"
     timeout 120 python3 -m pytest -q tests/test_paged_attention.py tests/test_paged_prefill.py \
-        tests/test_kernels_w4_gemv.py tests/test_serve_sampler.py 2>&1 | tail -2
+        tests/test_serve_sampler.py 2>&1 | tail -2
+    part "W4 GEMV against its reference, then timed (its pytest file runs under the CPU interpreter only)"
+    timeout 100 python3 bench/w4_gemv_bench.py --json "$OUT/w4_gemv.json" 2>&1 | grep -E 'FAIL|per token'
+    echo "w4_gemv_bench rc=${PIPESTATUS[0]}"
     part "where an FP8 maximum-load run's steps go (1024 x 128/128, batch 256)"
     timeout 90 python3 bench/step_profile.py --max-batch-size 256 2>&1 | tail -2
     part "per-kernel device time of FP8 decode steps"
