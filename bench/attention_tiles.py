@@ -152,6 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", help="comma-separated names (default: all)")
     p.add_argument("--budget-s", type=float, default=140.0, help="time no further rows after this many seconds")
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs an NVIDIA GPU (CUDA)")
     rows = decode_variants(args.variants.split(",") if args.variants else None, args.budget_s)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

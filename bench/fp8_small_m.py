@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from lowbit.bench_cli import load_script
 from lowbit.kernels import fp8_small_m as fsm
 from lowbit.kernels import w8a8
+from lowbit.kernels.scaled_gemm import scaled_gemm_ref
 
 SHAPES = {"qkv": (4096, 6144, True), "o": (4096, 4096, False), "gate_up": (4096, 28672, True),
           "down": (14336, 4096, False)}  # name: (in K, out N, per-row weight scales)
@@ -67,7 +68,7 @@ def check_case(m, k, n, sa_tok, sb_row, bias, config) -> dict:
     q, w, sa, sb, b = random_case(m, k, n, sa_tok, sb_row, bias)
     out = fsm.fp8_small_m_gemm(q, w, sa, sb, b, torch.bfloat16, config)
     again = fsm.fp8_small_m_gemm(q, w, sa, sb, b, torch.bfloat16, config)
-    ref = fsm.fp8_small_m_ref(q, w, sa, sb, b, torch.bfloat16)
+    ref = scaled_gemm_ref(q, w, sa, sb, b, torch.bfloat16)
     err = rel_err(out, ref)
     return {"check": f"M={m} {k}->{n} sa_tok={sa_tok} sb_row={sb_row} bias={bias} cfg={config}", "err": err,
             "ok": bool(torch.isfinite(out).all()) and err < TOL and torch.equal(out, again)}
@@ -84,7 +85,7 @@ def check_graph_replays(m, k, n, sb_row) -> dict:
     for _ in range(3):
         q.copy_(fp8(torch.randn(m, k, device=DEV) * 40))
         graph.replay()
-        errs.append(rel_err(out, fsm.fp8_small_m_ref(q, w, sa, sb)))
+        errs.append(rel_err(out, scaled_gemm_ref(q, w, sa, sb)))
     return {"check": f"graph replays M={m} {k}->{n}", "err": max(errs), "ok": max(errs) < TOL}
 
 

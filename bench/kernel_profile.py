@@ -117,6 +117,17 @@ def prefill_step(engine, tokens: int, length: int):
     return step
 
 
+def pairs(parser, flag: str, text: str) -> list[tuple[int, int]]:
+    """'AxB,CxD' -> [(A, B), (C, D)] of positive ints; anything else is a usage error (one line, exit 2)."""
+    try:
+        out = [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+    except ValueError:
+        out = None
+    if out is None or any(len(t) != 2 or min(t) <= 0 for t in out):
+        parser.error(f"{flag} {text!r}: expected AxB[,CxD...] with positive integers")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--format", default="fp8")
@@ -126,9 +137,12 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--json")
     a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs an NVIDIA GPU (CUDA)")
     sb = load_script("serve_bench.py")
-    cases = [tuple(map(int, c.split("x"))) for c in a.decode.split(",") if c]
-    fills = [tuple(map(int, c.split("x"))) for c in a.prefill.split(",") if c]
+    cases, fills = pairs(p, "--decode", a.decode), pairs(p, "--prefill", a.prefill)
+    if any(tokens % length for tokens, length in fills):
+        p.error(f"--prefill {a.prefill}: TOKENS must be a multiple of PROMPT_LENGTH")
     max_batch = max([b for b, _ in cases] + [1])
     max_tokens = max([t for t, _ in fills] + [8192])
     engine = sb.build_engine(sb.parse(["--max-batch-size", str(max_batch), "--max-num-tokens", str(max_tokens)]),

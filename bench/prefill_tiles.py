@@ -49,6 +49,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("--reps", type=int, default=30)
     a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs an NVIDIA GPU (CUDA)")
     rows = []
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         for seqs, qlen, ctx in CASES:

@@ -173,6 +173,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-splits", type=int, help="decode attention splits the context at most this often (1: the "
                    "check's small batches run the unsplit tiles that large batches use)")
     a = p.parse_args(argv)
+    if a.max_splits is not None and a.max_splits < 1:
+        p.error(f"--max-splits must be >= 1, got {a.max_splits}")
     if a.max_splits:
         from lowbit.kernels import paged_attention
         paged_attention.MAX_SPLITS = a.max_splits

@@ -1,4 +1,4 @@
-"""FP8 small-M GEMM (lowbit.kernels.fp8_small_m) on CPU under the Triton interpreter, against fp8_small_m_ref:
+"""FP8 small-M GEMM (lowbit.kernels.fp8_small_m) on CPU under the Triton interpreter, against scaled_gemm_ref:
 M = 1..32, ragged N and K, per-tensor / per-row weight scales, per-token x scales, bias, tiles owned by one program
 and tiles shared by several (split K in the same launch, programs spanning several tiles). fp16 outputs (the
 interpreter truncates fp32 -> bf16); the GPU check is bench/fp8_small_m.py."""
@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 from lowbit.kernels import fp8_small_m as fsm  # noqa: E402
 from lowbit.kernels import w8a8  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
+from lowbit.kernels.scaled_gemm import scaled_gemm_ref  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(
     not interpreting(), reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
@@ -54,7 +55,7 @@ def test_matches_reference(m, k, n, config, per_token, per_row, bias):
     q, w, sa, sb, b = inputs(m, k, n, per_token, per_row, bias, seed=m + k + n)
     out = fsm.fp8_small_m_gemm(q, w, sa, sb, b, torch.float16, config)
     assert out.shape == (m, n) and out.dtype == torch.float16
-    assert rel_err(out, fsm.fp8_small_m_ref(q, w, sa, sb, b, torch.float16)) < TOL
+    assert rel_err(out, scaled_gemm_ref(q, w, sa, sb, b, torch.float16)) < TOL
     assert counters_zero()  # the last program of each shared tile reset its counter
 
 
@@ -65,7 +66,7 @@ def test_fp16_dot_path_and_repeatable_sums():
     first = fsm.fp8_small_m_gemm(q, w, sa, sb, b, torch.float16, config, dot_fp16=True)
     again = fsm.fp8_small_m_gemm(q, w, sa, sb, b, torch.float16, config, dot_fp16=True)
     assert torch.equal(first, again)  # the parts of a tile are summed in a fixed order
-    assert rel_err(first, fsm.fp8_small_m_ref(q, w, sa, sb, b, torch.float16)) < TOL
+    assert rel_err(first, scaled_gemm_ref(q, w, sa, sb, b, torch.float16)) < TOL
 
 
 @needs_interpreter
@@ -73,7 +74,7 @@ def test_bf16_output():
     q, w, sa, sb, _ = inputs(4, 256, 128, False, False, False, seed=4)
     out = fsm.fp8_small_m_gemm(q, w, sa, sb, None, torch.bfloat16, (64, 128, 3, 4, 2))
     assert out.dtype == torch.bfloat16
-    assert rel_err(out, fsm.fp8_small_m_ref(q, w, sa, sb)) < 1e-2  # interpreter truncation, see module doc
+    assert rel_err(out, scaled_gemm_ref(q, w, sa, sb)) < 1e-2  # interpreter truncation, see module doc
 
 
 @pytest.mark.parametrize("n,k,programs", [(6144, 4096, 0), (300, 1024, 3), (300, 640, 11), (4096, 14336, 132),

@@ -24,15 +24,12 @@ serialize, so one workspace per device serves every layer.
 import torch
 
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton
-from lowbit.kernels.scaled_gemm import scaled_gemm_ref
 
 MAX_M = 32
 PROMOTE_K = 32  # K elements the tensor core sums at its reduced precision before adding into fp32 (benchmarks.md run 9)
 COUNTER_SLOTS = 65536  # N tiles per launch (N <= 65536 * BLOCK_N)
 SMEM_BYTES = 220 * 1024  # of the H200's 227 KB per block, for the pipelined weight and x tiles
 
-
-fp8_small_m_ref = scaled_gemm_ref  # fp32 math on the fp8 codes (scale_b [], [N] or [N, 1])
 
 
 @helper

@@ -291,6 +291,11 @@ def decode_splits(batch: int, num_kv_heads: int) -> int:
     return max(1, min(MAX_SPLITS, cdiv(TARGET_PROGRAMS, batch * num_kv_heads)))
 
 
+def block_gather_fits(block_n: int, block_size: int) -> bool:
+    """The block-wise gather (_kv_blocks) needs whole cache blocks per tile and a power-of-two block size."""
+    return block_n % block_size == 0 and block_size & (block_size - 1) == 0
+
+
 def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scale,
                  num_splits: int | None = None, out_scale=None, variant: DecodeVariant | None = None) -> torch.Tensor:
     """Triton: same contract as paged_decode_ref. No host sync (graph-capturable).
@@ -305,8 +310,7 @@ def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scal
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     ks, vs = (_scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)) if fp8 else (q, q)
     cfg = variant or decode_variant(bsz, hk, fp8)
-    # the block-wise gather needs whole cache blocks per tile and a power-of-two block size
-    blocks = cfg.blocks and cfg.block_n % bs == 0 and bs & (bs - 1) == 0
+    blocks = cfg.blocks and block_gather_fits(cfg.block_n, bs)
     part = torch.empty(bsz, hq, s, d, dtype=torch.float32, device=q.device) if s > 1 else out
     lse = torch.empty(bsz, hq, s, dtype=torch.float32, device=q.device) if s > 1 else out
     _decode_kernel[(bsz, hk, s)](q, kv_cache, block_tables, context_lens, ks, vs, os_, out, part, lse, scale * LOG2E,

@@ -12,7 +12,7 @@ import torch
 
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl
 from lowbit.kernels.paged_attention import (LOG2E, _block_ids, _kv_blocks, _kv_tile, _output, _scale_tensor,
-                                            _softmax_step)
+                                            _softmax_step, block_gather_fits)
 
 
 class PrefillTiles(NamedTuple):
@@ -103,8 +103,7 @@ def paged_prefill(q, kv_cache, query_start_loc, context_lens, block_tables, max_
     ks, vs = (_scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)) if fp8 else (q, q)
     tiles = PrefillTiles(*(config or CONFIG[fp8, max_query_len > 256]))
     block_t = max(tiles.block_t, 16 // gp)  # tl.dot needs >= 16 rows
-    # the block-wise gather needs whole cache blocks per tile and a power-of-two block size
-    blocks = tiles.blocks and tiles.block_n % bs == 0 and bs & (bs - 1) == 0
+    blocks = tiles.blocks and block_gather_fits(tiles.block_n, bs)
     grid = (cdiv(max_query_len, block_t), block_tables.shape[0], hk)
     _prefill_kernel[grid](q, kv_cache, block_tables, query_start_loc, context_lens, ks, vs, os_, out, scale * LOG2E,
                           block_tables.stride(0), kv_cache.stride(0), HQ=hq, HKD=hk * d, G=g, GP=gp, D=d, BS=bs,

@@ -21,7 +21,8 @@ Each program owns BLOCK_N output rows over all of K (no split-K, no second launc
   (Triton's own conversion adds a PRMT per pair), by Triton in the interpreter (which cannot run PTX). Exact
   products, fp32 chain per 16-block, times the e4m3 block scale; global scale and 2^14 applied once to the sum.
 - Offline SASS (triton 3.6, sm_90, loop body per weight): INT4 3.16 instructions, NVFP4 4.73; 128 registers.
-H200, Llama-3.1-8B shapes: 1.8x the previous GEMV (removed), 2.4-2.9x cuBLAS bf16 (docs/kernels_notes.md).
+H200, Llama-3.1-8B shapes, per token: INT4 2.4x and NVFP4 1.9x cuBLAS bf16, 1.8x the previous GEMV (removed)
+(docs/kernels_notes.md, benchmarks.md run 16).
 """
 import torch
 

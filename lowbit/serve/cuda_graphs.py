@@ -21,8 +21,7 @@ class DecodeGraphs:
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
-        cols = -(-max_blocks_per_seq // 16) * 16  # as wide as any table BlockTables hands out (a multiple of 16)
-        self.block_tables = torch.zeros(n, cols, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}

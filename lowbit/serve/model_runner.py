@@ -14,6 +14,10 @@ from lowbit.serve.loader import load_model, model_dtype
 from lowbit.serve.scheduler import Batch
 
 _TORCH = {np.int64: torch.int64, np.int32: torch.int32}
+# Block tables go to the kernels this many entries wide (a multiple): the attention kernels take the row stride as an
+# int argument, which Triton specializes on divisibility by 16, so a width that only grows would compile a new kernel
+# variant (~1 s, mid-run) the first step the longest table reaches 16 * k blocks.
+TABLE_WIDTH_MULTIPLE = 16
 
 
 class ModelRunner:
@@ -44,7 +48,9 @@ class ModelRunner:
         bs = self.config.block_size
         limits = [model_config.get("max_position_embeddings", 4096), self.num_blocks * bs, self.config.max_model_len]
         max_len = min(x for x in limits if x)
-        graphs = DecodeGraphs(self.model, self.config.max_batch_size, -(-max_len // bs), self.device)
+        max_blocks = -(-max_len // bs)
+        width = -(-max_blocks // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE  # as wide as any table handed out
+        graphs = DecodeGraphs(self.model, self.config.max_batch_size, width, self.device)
         graphs.capture()
         return graphs
 
@@ -136,12 +142,9 @@ class BlockTables:
     last step, into which a step writes only the blocks a sequence gained. Relies on BlockManager's contract that a
     held block_table only grows by append (a new allocation is a new list)."""
 
-    def __init__(self, rows: int, cols: int, multiple: int = 16):
+    def __init__(self, rows: int, cols: int, multiple: int = TABLE_WIDTH_MULTIPLE):
         self.array = np.zeros((rows, cols), np.int32)
-        # the width handed out is a multiple of this: the attention kernels take the row stride as an int argument,
-        # which Triton specializes on divisibility by 16, so a width that only grows would compile a new kernel
-        # variant (~1 s, mid-run) the first step the longest table reaches 16 * k blocks
-        self.multiple = multiple
+        self.multiple = multiple  # the width handed out is a multiple of this
         self.free = list(range(rows - 1, -1, -1))  # rows held by no sequence, popped from the end
         self.entries: dict[int, list] = {}  # seq_id -> [row, the block_table list written from, blocks written]
 

@@ -21,4 +21,4 @@ class TritonAttentionBackend:
             return pa.paged_decode(q, kv_cache, ctx.block_tables, ctx.context_lens, scale, k_scale, v_scale,
                                    out_scale=out_scale)
         return paged_prefill(q, kv_cache, ctx.query_start_loc, ctx.context_lens, ctx.block_tables,
-                                 max(ctx.query_lens_cpu), scale, k_scale, v_scale, out_scale)
+                             max(ctx.query_lens_cpu), scale, k_scale, v_scale, out_scale)
