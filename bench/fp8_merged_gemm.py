@@ -1,6 +1,7 @@
 """FP8 merged q/k/v and gate/up GEMM options on the GPU: per-tensor FP8 activations times FP8 weights with one
 scale per output row (what a merged layer of per-tensor parts carries). Options: the parts as separate per-tensor
-`_scaled_mm` calls, cuBLAS row-wise, lowbit's Triton scaled GEMM, per-tensor `_scaled_mm` into fp32 followed by
+`_scaled_mm` calls, cuBLAS row-wise, one per-tensor `_scaled_mm` (the merged GEMM when the parts' scale ratios are
+deferred to the consumers, lowbit.serve.fuse), lowbit's Triton scaled GEMM, per-tensor `_scaled_mm` into fp32 followed by
 the row scales (lowbit's pick off Hopper up to w8a8.PER_TENSOR_THEN_SCALE_MAX_M), lowbit's small-M FP8 GEMM
 (fp8_small_m, M <= 32) and `lowbit` = what w8a8.w8a8_linear_prequantized dispatches to; bf16 cuBLAS for scale. Error vs the fp32
 reference and median us (CUDA-graph replays over weight copies beyond L2, as bench/kernels.py times).
@@ -20,7 +21,7 @@ from lowbit.kernels import scaled_gemm as sg
 from lowbit.kernels import w8a8
 
 SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [14336, 14336])}  # in, out rows per part
-MS = (1, 16, 64, 256, 4096)
+MS = (1, 16, 64, 256, 512, 4096, 8192)
 SMALL_M_TILES = ((16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 256, 4, 3), (64, 128, 128, 4, 4))
 
 
@@ -37,6 +38,9 @@ def options(x, sa, row_scale, parts, one):
                                for p in w.split(parts)],
         "rowwise": lambda w: torch._scaled_mm(x, w.t(), scale_a=sa.expand(m, 1).contiguous(),
                                               scale_b=row_scale.reshape(1, -1), out_dtype=torch.bfloat16),
+        "per_tensor": lambda w: torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=one, out_dtype=torch.bfloat16),
+        "per_tensor_fast_accum": lambda w: torch._scaled_mm(x, w.t(), scale_a=sa, scale_b=one, out_dtype=torch.bfloat16,
+                                                            use_fast_accum=True),
         "triton": lambda w: sg.scaled_gemm(x, w, sa, row_scale, None, torch.bfloat16),
         "fp32_then_scale": lambda w: w8a8._per_tensor_then_column_scale(x, w, sa, row_scale, None, torch.bfloat16),
         "lowbit": lambda w: w8a8.w8a8_linear_prequantized(x, w, row_scale, sa, None, torch.bfloat16),
@@ -53,7 +57,7 @@ def measure(kb, name: str, k: int, parts: list[int], m: int) -> list[dict]:
     ref = sg.scaled_gemm_ref(x, weights[0], sa, row_scale, None, torch.bfloat16).float()
     row = {"shape": name, "M": m}
     for option, op in options(x, sa, row_scale, parts, one).items():
-        if option != "separate":
+        if not option.startswith(("separate", "per_tensor")):  # these leave the row scales out
             row[f"err_{option}"] = round(((op(weights[0]).float() - ref).norm() / ref.norm()).item(), 6)
         row[f"us_{option}"] = round(kb.time_us([lambda w=w, op=op: op(w) for w in weights] * repeat, 50), 2)
     rows = [row]

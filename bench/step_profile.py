@@ -65,11 +65,15 @@ def main(argv=None):
     p.add_argument("--requests", type=int, default=1024)
     p.add_argument("--isl", type=int, default=128)
     p.add_argument("--osl", type=int, default=128)
+    p.add_argument("--overlap", default="on,off", help="which runs: overlapped steps (on), not overlapped (off)")
     a = p.parse_args(argv)
+    modes = {"on": (1, True), "off": (2, False)}
+    if not a.overlap or set(a.overlap.split(",")) - set(modes):
+        p.error(f"--overlap takes a comma-separated subset of {sorted(modes)}")
     sb = load_script("serve_bench.py")
     engine = sb.build_engine(sb.parse(["--max-batch-size", str(a.max_batch_size)]), a.format)
     run(engine, min(a.requests, 2 * a.max_batch_size), a.isl, 32, seed=5)  # warm-up: Triton compiles
-    for seed, overlap in ((1, True), (2, False)):  # new prompts each run: no prefix-cache hits from the last one
+    for seed, overlap in (modes[m] for m in a.overlap.split(",")):  # new prompts per run: no prefix-cache hits
         engine.overlap = overlap
         res = run(engine, a.requests, a.isl, a.osl, seed=seed)
         print(f"{a.format} batch {a.max_batch_size} overlap={overlap}: {res}", flush=True)

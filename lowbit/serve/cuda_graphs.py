@@ -8,7 +8,8 @@ import torch
 
 from lowbit.serve.context import StepContext
 
-DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832,
+                 896, 960, 1024)
 
 
 class DecodeGraphs:
