@@ -50,3 +50,25 @@ def test_grouped_prefill_fp8_output():
     differ = (fp8.view(torch.uint8) != quantize_fp8_ref(plain, out_scale).view(torch.uint8)).float().mean()
     # the interpreter mis-rounds ~2 % of fp32 -> fp8 casts (ENV.md); compiled, the epilogue is exact
     assert differ.item() < 0.05 if interpreting() else differ.item() == 0
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mixed_step_splits_decodes_from_prefill(fp8):
+    """A mixed step (one-token sequences first, then prefill chunks): the backend's decode + prefill split equals
+    the prefill reference over the whole step, and so does a step whose only one-token rows are not leading."""
+    from lowbit.serve.context import StepContext
+    from lowbit.serve.triton_attention import TritonAttentionBackend, leading_single_tokens
+
+    kv_dtype = torch.float8_e4m3fn if fp8 else DTYPE
+    for ctx, qlen in (([40, 17, 70, 33], [1, 1, 70, 9]), ([70, 40], [70, 1])):
+        c = make_case(ctx, qlen, dtype=DTYPE, kv_dtype=kv_dtype, seed=5, **SHAPES)
+        pa.store_kv_ref(c["k"], c["v"], c["cache"], c["slots"], *c["scales"])
+        step = StepContext(positions=None, slot_mapping=None, query_start_loc=c["qsl"], context_lens=c["ctx"],
+                           block_tables=c["tables"], logits_indices=None, is_decode=False, query_lens_cpu=qlen,
+                           context_lens_cpu=ctx)
+        out = TritonAttentionBackend.attend(c["q"], c["cache"], step, 0.125, *c["scales"])
+        ref = pa.paged_prefill_ref(c["q"], c["cache"], c["qsl"], c["ctx"], c["tables"], max(qlen), 0.125,
+                                   *c["scales"])
+        assert leading_single_tokens(qlen) == (2 if len(qlen) == 4 else 0)
+        per_row = (out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)
+        assert per_row.max().item() < 3e-2, per_row.max().item()  # decode rows included

@@ -2,12 +2,23 @@
 decode) and lowbit.kernels.paged_prefill (prefill, extend).
 
 Decode steps read only device tensors (graph-capturable); other steps size their grid from the host query lengths.
+A mixed step (the scheduler puts decodes first, then prefill chunks) runs its leading one-token sequences through
+the decode kernel and the rest through the prefill kernel: the prefill kernel's tiles hold BLOCK_T tokens per
+sequence, so a one-token row would waste most of each tile while streaming the same K/V.
 """
 import torch
 
 from lowbit.kernels import paged_attention as pa
 from lowbit.kernels.paged_prefill import paged_prefill
 from lowbit.serve.context import StepContext
+
+
+def leading_single_tokens(query_lens: list[int]) -> int:
+    """How many sequences at the front of the batch have exactly one new token."""
+    n = 0
+    while n < len(query_lens) and query_lens[n] == 1:
+        n += 1
+    return n
 
 
 class TritonAttentionBackend:
@@ -20,5 +31,14 @@ class TritonAttentionBackend:
         if ctx.is_decode:
             return pa.paged_decode(q, kv_cache, ctx.block_tables, ctx.context_lens, scale, k_scale, v_scale,
                                    out_scale=out_scale)
-        return paged_prefill(q, kv_cache, ctx.query_start_loc, ctx.context_lens, ctx.block_tables,
-                             max(ctx.query_lens_cpu), scale, k_scale, v_scale, out_scale)
+        n = leading_single_tokens(ctx.query_lens_cpu)
+        if n == 0:
+            return paged_prefill(q, kv_cache, ctx.query_start_loc, ctx.context_lens, ctx.block_tables,
+                                 max(ctx.query_lens_cpu), scale, k_scale, v_scale, out_scale)
+        # rows [0, n) are the n one-token sequences; the prefill kernel indexes q by query_start_loc[n:], whose
+        # entries still count from row 0, and leaves rows [0, n) of its output to the decode kernel
+        out = paged_prefill(q, kv_cache, ctx.query_start_loc[n:], ctx.context_lens[n:], ctx.block_tables[n:],
+                            max(ctx.query_lens_cpu[n:]), scale, k_scale, v_scale, out_scale)
+        out[:n] = pa.paged_decode(q[:n], kv_cache, ctx.block_tables[:n], ctx.context_lens[:n], scale, k_scale,
+                                  v_scale, out_scale=out_scale)
+        return out
