@@ -69,3 +69,92 @@ def test_merged_linear_falls_back_to_parts():
     mixed = MergedLinear(K, SIZES, False, ["q_proj", "k_proj", "v_proj"])
     mixed.load(["FP8", "FP8", None], parts[:2] + [parts_for(None)[2]], "cpu", torch.bfloat16)
     assert mixed.parts is not None and mixed(x).shape == (3, sum(SIZES))
+
+
+def with_bias(parts, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [dict(p, bias=torch.randn(n, generator=g).to(torch.bfloat16)) for p, n in zip(parts, SIZES)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-3), (torch.bfloat16, 5e-3)])
+def test_fp8_deferred_part_scales_run_per_tensor_and_restore_the_parts(bias, dtype, tol):
+    parts = parts_for("FP8")
+    parts = with_bias(parts) if bias else parts
+    layer = MergedLinear(K, SIZES, bias, ["q_proj", "k_proj", "v_proj"], defer_part_scales=True)
+    layer.load(["FP8"] * 3, parts, "cpu", dtype, defer=True)
+    s = [p["weight_scale"].float() for p in parts]
+    assert layer.parts is None and layer.merged.prepared.source["weight_scale"].numel() == 1  # per-tensor
+    assert layer.part_scales.dtype == torch.float32
+    assert torch.equal(layer.part_scales, torch.stack([s[0] / s[0], s[1] / s[0], s[2] / s[0]]))
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(1)).to(dtype)
+    expected = torch.cat([linear_ref(x, prepare_linear("FP8", p, "cpu"), p.get("bias"), out_dtype=torch.float32)
+                          for p in parts], dim=-1)
+    per_col = torch.cat([r.expand(n) for r, n in zip(layer.part_scales, SIZES)])
+    got = layer(x).float() * per_col
+    # fp32: the file's tolerance; bf16: the merged output (and bias) rounded to bf16 before the ratio, rms ~2^-9
+    assert ((got - expected).norm() / expected.norm()).item() < tol
+    assert ((layer(x).float() - expected).norm() / expected.norm()).item() > 0.3  # unscaled output is off
+
+
+def test_deferral_only_where_asked_and_needed():
+    parts = parts_for("FP8")
+    plain = MergedLinear(K, SIZES, False, ["q_proj", "k_proj", "v_proj"])
+    plain.load(["FP8"] * 3, parts, "cpu", torch.bfloat16)
+    assert plain.part_scales is None and plain.merged.prepared.source["weight_scale"].shape == (sum(SIZES), 1)
+    with pytest.raises(ValueError, match="does not apply"):
+        plain.load(["FP8"] * 3, parts, "cpu", torch.bfloat16, defer=True)
+    layer = MergedLinear(K, SIZES, False, ["q_proj", "k_proj", "v_proj"], defer_part_scales=True)
+    layer.load(["FP8"] * 3, parts, "cpu", torch.bfloat16)  # default: CUDA only
+    assert layer.part_scales is None and layer.merged.prepared.source["weight_scale"].shape == (sum(SIZES), 1)
+    equal = [dict(p, weight_scale=parts[0]["weight_scale"]) for p in parts]
+    layer.load(["FP8"] * 3, equal, "cpu", torch.bfloat16, defer=True)
+    assert layer.part_scales is None
+    for algo in ALGOS:
+        if algo != "FP8":
+            layer.load([algo] * 3, parts_for(algo), "cpu", torch.bfloat16, defer=True)
+            assert layer.part_scales is None, algo
+    mixed = dict(parts[2], input_scale=parts[2]["input_scale"] * 2)  # not merged: the parts run exact
+    layer.load(["FP8"] * 3, parts[:2] + [mixed], "cpu", torch.bfloat16, defer=True)
+    assert layer.parts is not None and layer.part_scales is None
+
+
+CONFIG = {"hidden_size": 128, "intermediate_size": 192, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+
+
+def _load_fp8(merged_linear, seed, defer):
+    g = torch.Generator().manual_seed(seed)
+    parts = [quantize_linear("FP8", (i + 1) * 0.02 * torch.randn(n, CONFIG["hidden_size"], generator=g))
+             for i, n in enumerate(merged_linear.out_sizes)]
+    if merged_linear.merged.has_bias:
+        parts = [dict(p, bias=torch.randn(n, generator=g)) for p, n in zip(parts, merged_linear.out_sizes)]
+    merged_linear.load(["FP8"] * len(parts), parts, "cpu", torch.float32, defer=defer)
+
+
+@pytest.mark.parametrize("attn_kwargs", [{}, {"qkv_bias": True}, {"qk_norm": True}])
+def test_llama_blocks_apply_the_deferred_part_scales(attn_kwargs, monkeypatch):
+    from lowbit.serve.layers import RotaryEmbedding
+    from lowbit.serve.models.llama import LlamaAttention, LlamaMLP
+
+    rotary = RotaryEmbedding(CONFIG, 32, 64)
+    x = torch.randn(6, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(5))
+    ctx = type("Ctx", (), {"positions": torch.arange(6)})()
+    qkv_out, mlp_out = {}, {}
+    attn_defers = not attn_kwargs.get("qk_norm")  # Qwen3's RMSNorm before RoPE would absorb a ratio: per-row
+    for defer in (False, True):
+        attn, mlp = LlamaAttention(CONFIG, rotary, **attn_kwargs), LlamaMLP(CONFIG)
+        assert attn.qkv_proj.defer_part_scales == attn_defers and mlp.gate_up_proj.defer_part_scales
+        _load_fp8(attn.qkv_proj, 1, defer and attn_defers)
+        _load_fp8(mlp.gate_up_proj, 2, defer)
+        attn.o_proj.load(None, {"weight": torch.eye(128)}, "cpu", torch.float32)
+        mlp.down_proj.load(None, {"weight": torch.eye(128, 192)}, "cpu", torch.float32)
+        assert (attn.qkv_proj.part_scales is not None) == (defer and attn_defers)
+        assert (mlp.gate_up_proj.part_scales is not None) == defer
+        monkeypatch.setattr(attn.attn, "forward", lambda q, k, v, ctx, scale: qkv_out.setdefault(defer, (q, k, v))[0])
+        attn(x, ctx)
+        mlp_out[defer] = mlp(x)
+    (ref, got), (mlp_ref, mlp_got) = qkv_out.values(), mlp_out.values()
+    for a, b in zip(got, ref):  # fp32 throughout: the ratios restore the parts to rounding
+        assert ((a - b).norm() / b.norm()).item() < 1e-5
+    assert ((mlp_got - mlp_ref).norm() / mlp_ref.norm()).item() < 1e-5

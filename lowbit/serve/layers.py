@@ -7,7 +7,7 @@ from torch import nn
 
 from lowbit.kernels import linear as quant_linear
 from lowbit.kernels import prepare_linear, rms_norm, rotary, rotary_qk, silu_and_mul
-from lowbit.serve.fuse import merge_linear_tensors
+from lowbit.serve.fuse import fp8_part_scales, merge_linear_tensors
 
 
 class Linear(nn.Module):
@@ -55,19 +55,35 @@ class MergedLinear(nn.Module):
 
     `load(parts)` merges the checkpoint tensors (lowbit.serve.fuse); where they cannot be merged (mixed formats,
     unequal shared scales) each part keeps its own Linear and the outputs are concatenated.
+    defer_part_scales: the caller multiplies part i's output by part_scales[i]. FP8 parts with unequal weight scales
+    then merge with part 0's scale, so the GEMM runs per-tensor (faster than row-wise on the GPU); part_scales is
+    fp32 [n_parts] on the layer's device, or None when the output is already exact.
     """
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, part_names: list[str]):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, part_names: list[str],
+                 defer_part_scales: bool = False):
         super().__init__()
         self.out_sizes, self.part_names = list(out_sizes), list(part_names)
+        self.defer_part_scales = defer_part_scales
         self.merged = Linear(in_features, sum(out_sizes), bias)
         self.parts: list[Linear] | None = None
+        self.part_scales: torch.Tensor | None = None
 
-    def load(self, algos: list, tensors: list[dict], device, dtype) -> None:
-        merged = merge_linear_tensors(algos[0], tensors) if len(set(algos)) == 1 else None
-        if merged is not None:
-            self.merged.load(algos[0], merged, device, dtype)
-            return
+    def load(self, algos: list, tensors: list[dict], device, dtype, defer: bool | None = None) -> None:
+        """defer: use part_scales; None: where it pays, on CUDA (on the CPU per-row scales cost nothing, and keep the
+        reference path bit-identical to the per-part checkpoint reader)."""
+        if defer is None:
+            defer = self.defer_part_scales and torch.device(device).type == "cuda"
+        if defer and not self.defer_part_scales:
+            raise ValueError(f"{self.part_names}: this layer's caller does not apply part_scales")
+        self.parts, self.part_scales = None, None
+        if len(set(algos)) == 1:
+            part_scales = fp8_part_scales(algos[0], tensors) if defer else None
+            merged = merge_linear_tensors(algos[0], tensors, part_scales)
+            if merged is not None:
+                self.merged.load(algos[0], merged, device, dtype)
+                self.part_scales = None if part_scales is None else part_scales.to(device, torch.float32)
+                return
         self.parts = [Linear(self.merged.in_features, n, self.merged.has_bias) for n in self.out_sizes]
         for part, algo, t in zip(self.parts, algos, tensors):
             part.load(algo, t, device, dtype)
@@ -77,6 +93,7 @@ class MergedLinear(nn.Module):
         return self.merged.fp8_input_scale if self.parts is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, sum(out_sizes)]; with part_scales, part i's columns are its output / part_scales[i]."""
         if self.parts is None:
             return self.merged(x)
         return torch.cat([part(x) for part in self.parts], dim=-1)
@@ -98,9 +115,13 @@ class RMSNorm(nn.Module):
 
 
 class SiluAndMul(nn.Module):
-    def forward(self, gate_up: torch.Tensor, quant_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """gate_up [T, 2 * inter] -> silu(gate) * up [T, inter] (float8_e4m3fn, out / quant_scale, if given)."""
-        return silu_and_mul(gate_up, quant_scale)
+    def forward(self, gate_up: torch.Tensor, quant_scale: torch.Tensor | None = None,
+                up_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """gate_up [T, 2 * inter] -> silu(gate) * up [T, inter] (float8_e4m3fn, out / quant_scale, if given).
+
+        up_scale: fp32 0-d, multiplies up first (a merged gate/up layer's deferred part_scales[1]).
+        """
+        return silu_and_mul(gate_up, quant_scale, up_scale)
 
 
 def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
@@ -141,6 +162,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return rotary(q, k, positions, self.cos_sin_cache)
 
-    def qk(self, positions: torch.Tensor, qkv: torch.Tensor, num_q_heads: int, num_k_heads: int):
-        """qkv [T, (Hq + 2 Hk) * D], the fused projection's output -> rotated q [T, Hq*D], k [T, Hk*D]."""
-        return rotary_qk(qkv, num_q_heads, num_k_heads, positions, self.cos_sin_cache)
+    def qk(self, positions: torch.Tensor, qkv: torch.Tensor, num_q_heads: int, num_k_heads: int,
+           part_scales: torch.Tensor | None = None):
+        """qkv [T, (Hq + 2 Hk) * D], the fused projection's output -> rotated q [T, Hq*D], k [T, Hk*D], and v
+        [T, Hk*D]; part_scales: fp32 [3] multiplying q, k, v (a merged layer's deferred scales)."""
+        return rotary_qk(qkv, num_q_heads, num_k_heads, positions, self.cos_sin_cache, part_scales)

@@ -1,7 +1,8 @@
 """Llama family (Llama 2/3, SmolLM2, Mistral-style configs) on paged attention; Qwen builds on these blocks.
 
 Module names follow the HF checkpoints (model.layers.N.input_layernorm, ...) so weights load by name; q/k/v and
-gate/up run as merged linears (self_attn.qkv_proj, mlp.gate_up_proj) loaded from their HF parts.
+gate/up run as merged linears (self_attn.qkv_proj, mlp.gate_up_proj) loaded from their HF parts; FP8 parts with
+unequal weight scales merge per-tensor and rotary_qk / silu_and_mul apply the deferred ratios (layers.MergedLinear).
 Activations are flattened: hidden [T, hidden_size] for the T new tokens of all sequences in the step. Where the
 next linear is static FP8, the norm (or silu) before it writes its output already quantized to float8_e4m3fn.
 """
@@ -23,7 +24,9 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv_bias = qkv_bias or config.get("attention_bias", False)
         self.sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = MergedLinear(hidden, self.sizes, qkv_bias, ["q_proj", "k_proj", "v_proj"])
+        # without qk_norm, rotary_qk applies the merged FP8 layer's deferred scales (an RMSNorm would absorb them)
+        self.qkv_proj = MergedLinear(hidden, self.sizes, qkv_bias, ["q_proj", "k_proj", "v_proj"],
+                                     defer_part_scales=not qk_norm)
         self.o_proj = Linear(q_size, hidden, config.get("attention_bias", False))
         self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"]) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"]) if qk_norm else None
@@ -38,8 +41,9 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.view(t, -1, self.head_dim)).view(t, -1)
             k = self.k_norm(k.view(t, -1, self.head_dim)).view(t, -1)
             q, k = self.rotary[0](ctx.positions, q, k)
-        else:  # q and k straight from the qkv rows, one launch
-            q, k = self.rotary[0].qk(ctx.positions, qkv, self.num_heads, self.num_kv_heads)
+        else:  # q and k (and v, with part_scales) straight from the qkv rows, one launch
+            q, k, v = self.rotary[0].qk(ctx.positions, qkv, self.num_heads, self.num_kv_heads,
+                                        self.qkv_proj.part_scales)
         return self.o_proj(self.attn(q, k, v, ctx, self.o_proj.fp8_input_scale))
 
 
@@ -48,12 +52,15 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hidden, inter = config["hidden_size"], config["intermediate_size"]
         bias = config.get("mlp_bias", False)
-        self.gate_up_proj = MergedLinear(hidden, [inter, inter], bias, ["gate_proj", "up_proj"])
+        self.gate_up_proj = MergedLinear(hidden, [inter, inter], bias, ["gate_proj", "up_proj"],
+                                         defer_part_scales=True)
         self.down_proj = Linear(inter, hidden, bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x), self.down_proj.fp8_input_scale))
+        part_scales = self.gate_up_proj.part_scales
+        up_scale = None if part_scales is None else part_scales[1]
+        return self.down_proj(self.act(self.gate_up_proj(x), self.down_proj.fp8_input_scale, up_scale))
 
 
 class LlamaDecoderLayer(nn.Module):
