@@ -63,16 +63,16 @@ def op_errors(bench, args, fmt) -> dict:
         rec.add("rotary k", out[1], ref[1])
         return out
 
-    def rot_qk(qkv, hq, hk, positions, cache):
-        out = rotary_qk(qkv, hq, hk, positions, cache)
-        ref = rotary_qk_ref(qkv, hq, hk, positions, cache)
-        rec.add("rotary q", out[0], ref[0])
-        rec.add("rotary k", out[1], ref[1])
+    def rot_qk(qkv, hq, hk, positions, cache, part_scales=None):
+        out = rotary_qk(qkv, hq, hk, positions, cache, part_scales)
+        ref = rotary_qk_ref(qkv, hq, hk, positions, cache, part_scales)
+        for name, o, r in zip(("rotary q", "rotary k", "rotary v"), out, ref):
+            rec.add(name, o, r)
         return out
 
-    def act(x, quant_scale=None):
-        y = silu_and_mul(x, quant_scale)
-        rec.add("silu_and_mul", y, silu_and_mul_ref(x, quant_scale))
+    def act(x, quant_scale=None, up_scale=None):
+        y = silu_and_mul(x, quant_scale, up_scale)
+        rec.add("silu_and_mul", y, silu_and_mul_ref(x, quant_scale, up_scale))
         return y
 
     class Both(TritonAttentionBackend):
