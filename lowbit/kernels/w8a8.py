@@ -42,9 +42,12 @@ def _per_tensor_then_column_scale(q, w, scale_a, scale_b, bias, out_dtype):
 
 # Largest M routed to fp8_small_m, by scale kind (H200, 2026-11-30, docs/kernels_notes.md "FP8 small-M GEMM"):
 # per-row weight scales: faster than the fp32 route up to M = 32 (qkv 9.1 vs 12.3 us at M = 1); per-token x scales:
-# faster than cuBLAS row-wise (7.6 vs 14.6 us, 4096->4096); per-tensor: 14336->4096 9-13% faster than _scaled_mm up
-# to M = 24 (slower at 32), 4096->4096 within -3%..+1%.
+# faster than cuBLAS row-wise (7.6 vs 14.6 us, 4096->4096). Per-tensor (every merged layer on CUDA since its part
+# scales are deferred, lowbit.serve.fuse): only for long K; `python3 bench/fp8_small_m.py --ladder`, H200,
+# 2026-12-01 00:05 UTC, M = 1..24: down 14336->4096 18.5-19.7 us vs _scaled_mm 19.6-20.3, while _scaled_mm wins at
+# K = 4096 (o 7.2-7.5 vs 10.6-11.6, qkv 9.4-9.9 vs 10.5-12.0, gate_up 30.2-31.6 vs 31.5-34.2 but for M = 2).
 SMALL_M_MAX = {"per_tensor": 24, "per_row": 32, "per_token": 32}
+SMALL_M_PER_TENSOR_MIN_K = 8192
 
 
 def scale_kind(scale_a, scale_b) -> str:
@@ -55,9 +58,10 @@ def scale_kind(scale_a, scale_b) -> str:
 
 def small_m_applies(q, w, scale_a, scale_b) -> bool:
     """fp8_small_m runs on Hopper (fp8 wgmma; measured on the H200 only) up to SMALL_M_MAX rows."""
+    kind = scale_kind(scale_a, scale_b)
     return (on_gpu(q) and q.dtype == torch.float8_e4m3fn and w.dtype == torch.float8_e4m3fn
-            and q.shape[0] <= SMALL_M_MAX[scale_kind(scale_a, scale_b)]
-            and torch.cuda.get_device_capability(q.device) >= (9, 0))
+            and q.shape[0] <= SMALL_M_MAX[kind] and torch.cuda.get_device_capability(q.device) >= (9, 0)
+            and (kind != "per_tensor" or q.shape[1] >= SMALL_M_PER_TENSOR_MIN_K or not scaled_mm_applies(q, w)))
 
 
 def scaled_mm(q, w, scale_a, scale_b, bias, out_dtype):
