@@ -1,7 +1,8 @@
 #!/bin/bash
-# Two device calls (each under the device tool's 10-minute limit) that check, then time, the GPU paths:
-#   bash bench/h200_session.sh check   # engine vs reference for every format, kernel tests, step and kernel profiles
-#   bash bench/h200_session.sh serve   # lowbit bench serve: batch 1 and maximum load, every format, HF, FP8 extras
+# Three device calls (each under the device tool's 10-minute limit) that check, then time, the GPU paths:
+#   bash bench/h200_session.sh check    # engine vs reference for every format, kernel tests, step and kernel profiles
+#   bash bench/h200_session.sh serve    # lowbit bench serve, FP8: batch 1, maximum load at batch 1024 and 512, extras
+#   bash bench/h200_session.sh formats  # lowbit bench serve: bf16, int4_awq, nvfp4 and the HF baseline
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -28,13 +29,21 @@ check)
         --top 6 --json "$OUT/kernel_profile.json" 2>&1 | grep -A8 '^## '
     ;;
 serve)
-    part "serving: batch 1 and maximum load, every format, HF baseline, FP8 at 1000/1000 and 2048/128"
-    timeout 540 python3 bench/serve_bench.py --formats fp8,bf16,int4_awq,nvfp4 --phases hf,formats,extra \
-        --max-batch-size 512 --extra 1000/1000/512,2048/128/512 --deadline-s 420 \
-        --json "$OUT/serve.json" --markdown "$OUT/serve.md" 2>&1 | grep -E '^\['
+    part "FP8: batch 1, maximum load (1024 x 128/128 at batch 1024), 1000/1000 and 2048/128"
+    timeout 420 python3 bench/serve_bench.py --formats fp8 --phases formats,extra --max-batch-size 1024 \
+        --extra 128/128/2048,1000/1000/512,1000/1000/768,2048/128/512 --deadline-s 380 \
+        --json "$OUT/serve_fp8.json" --markdown "$OUT/serve_fp8.md" 2>&1 | grep -E '^\['
+    part "FP8 maximum load at batch 512"
+    timeout 120 python3 bench/serve_bench.py --formats fp8 --phases formats --max-batch-size 512 \
+        --json "$OUT/serve_fp8_512.json" 2>&1 | grep -E '^\['
+    ;;
+formats)
+    part "serving: batch 1 and maximum load (batch 512) of bf16, int4_awq, nvfp4; HF transformers at batch 64"
+    timeout 540 python3 bench/serve_bench.py --formats bf16,int4_awq,nvfp4 --phases hf,formats \
+        --max-batch-size 512 --deadline-s 480 --json "$OUT/serve.json" --markdown "$OUT/serve.md" 2>&1 | grep -E '^\['
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats" >&2
     exit 2
     ;;
 esac
