@@ -26,7 +26,6 @@ class DecodeVariant(NamedTuple):
     # one block-table id per cache block: tiles [block_n / block_size, block_size, D], 64-bit address math per block,
     # rows past the context clamped to its last token (no load masks), next tile's ids loaded during this tile's math
     blocks: bool = False
-    kq: bool = False  # transposed products S^T = K q^T [block_n, G], O^T = V^T P^T: K the A operand, rows as stored
 
 
 # Decode tiles. H200 sweeps at Llama-8B heads, shuffled block tables (`python3 bench/attention_tiles.py`,
@@ -43,13 +42,6 @@ DECODE_VARIANTS = {
     "rows64": DecodeVariant(64, 4, 3),  # bf16 KV
     "rows128": DecodeVariant(128, 4, 3),  # FP8 KV, few programs (the context is split): long single contexts
     "blk128w2": DecodeVariant(128, 2, 1, blocks=True),  # FP8 KV, one program per (sequence, KV head)
-    # kq, not yet timed. Offline sm_90 SASS (Triton 3.9), FP8 KV: registers, loop instructions per warp per tile:
-    # blk128w2 213, 2032; blk128w2-kq 237, 2034 (mma.sync); 4 and 8 warps run wgmma (M = tokens >= 64): blk128w4-kq
-    # 184, 1043; blk64w4-kq 125, 597; blk128w8-kq 123, 612.
-    "blk128w2-kq": DecodeVariant(128, 2, 1, blocks=True, kq=True),
-    "blk128w4-kq": DecodeVariant(128, 4, 1, blocks=True, kq=True),
-    "blk64w4-kq": DecodeVariant(64, 4, 1, blocks=True, kq=True),
-    "blk128w8-kq": DecodeVariant(128, 8, 1, blocks=True, kq=True),
 }
 
 
@@ -200,19 +192,6 @@ def _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.const
 
 
 @helper
-def _softmax_step_kq(qt, k, v, valid, m, l, acc, qk_scale, v_scale):
-    """_softmax_step transposed: qt [D, M] (q^T), k/v [N, D], valid [N, 1] -> m [M], l [M], acc^T [D, M] (fp32)."""
-    st = tl.dot(k.to(qt.dtype), qt) * qk_scale  # [N, M]
-    st = tl.where(valid, st, float("-inf"))
-    m_new = tl.maximum(m, tl.max(st, 0))
-    alpha = tl.exp2(m - m_new)
-    pt = tl.exp2(st - m_new[None, :])
-    l = l * alpha + tl.sum(pt, 0)
-    acc = acc * alpha[None, :] + tl.dot(tl.trans(v.to(qt.dtype)), pt.to(qt.dtype)) * v_scale
-    return m_new, l, acc
-
-
-@helper
 def _block_ids(bt_ptr, bt_row, n0, last, BS: tl.constexpr, NB: tl.constexpr):
     """Block-table entries of the NB cache blocks from token n0 (a multiple of BS) on; blocks past token `last`'s are
     clamped to its block, so the load needs no mask."""
@@ -239,9 +218,9 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
                    bt_stride, half_stride, num_splits,
                    HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    BS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
-                   QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr, KQ: tl.constexpr):
+                   QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr):
     """Program (b, kv head, split): the G query heads of one KV head over one slice of the context.
-    BLOCKS: tiles gathered block by block (DecodeVariant.blocks), else row by row. KQ: DecodeVariant.kq."""
+    BLOCKS: tiles gathered block by block (DecodeVariant.blocks), else row by row."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -262,9 +241,6 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
     bt_row = b * bt_stride
-    if KQ:
-        qt = tl.trans(q)  # [D, GP]
-        acc = tl.trans(acc)  # acc^T [D, GP]
     if BLOCKS:
         NB: tl.constexpr = BLOCK_N // BS
         last = tl.maximum(end - 1, 0)
@@ -272,24 +248,15 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
         for n0 in range(start, end, BLOCK_N):
             k, v = _kv_blocks(kv_ptr, blk, n0, last, kvh, half_stride, HKD, D, BS, NB)
             blk = _block_ids(bt_ptr, bt_row, n0 + BLOCK_N, last, BS, NB)  # loads during this tile's math
-            if KQ:
-                valid_t = (n0 + tl.arange(0, BLOCK_N) < end)[:, None]
-                m, l, acc = _softmax_step_kq(qt, k, v, valid_t, m, l, acc, qk_scale * k_scale, v_scale)
-            else:
-                valid = (n0 + tl.arange(0, BLOCK_N) < end)[None, :]
-                m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale * k_scale, v_scale, True)
+            valid = (n0 + tl.arange(0, BLOCK_N) < end)[None, :]
+            m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale * k_scale, v_scale, True)
     else:
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v = _kv_tile(kv_ptr, bt_ptr, bt_row, offs_n, mask_n, kvh, offs_d, half_stride, HKD, D, BS)
-            if KQ:
-                m, l, acc = _softmax_step_kq(qt, k, v, mask_n[:, None], m, l, acc, qk_scale * k_scale, v_scale)
-            else:
-                m, l, acc = _softmax_step(q, k, v, mask_n[None, :], m, l, acc, qk_scale * k_scale, v_scale,
-                                          True)
-    if KQ:
-        acc = tl.trans(acc)
+            m, l, acc = _softmax_step(q, k, v, mask_n[None, :], m, l, acc, qk_scale * k_scale, v_scale,
+                                      True)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     if DIRECT:
         tl.store(out_ptr + (b * HQ + heads)[:, None] * D + offs_d[None, :],
@@ -350,7 +317,7 @@ def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scal
                                  block_tables.stride(0), kv_cache.stride(0), s, HQ=hq, HKD=hk * d, G=g,
                                  GP=max(16, next_pow2(g)), D=d, BS=bs, BLOCK_N=cfg.block_n, FP8=fp8,
                                  DIRECT=s == 1, QUANT_OUT=out_scale is not None,
-                                 BLOCKS=blocks, KQ=cfg.kq, num_warps=cfg.warps, num_stages=cfg.stages)
+                                 BLOCKS=blocks, num_warps=cfg.warps, num_stages=cfg.stages)
     if s > 1:
         _combine_kernel[(bsz * hq,)](part, lse, os_, out, s, D=d, SP=next_pow2(s), model_dtype=_tl_dtype(q.dtype),
                                      QUANT_OUT=out_scale is not None, num_warps=4)
