@@ -7,6 +7,8 @@ Phases (each bounded by --deadline-s; a failed phase is reported with its traceb
   formats  per format: batch-1 latency (TTFT, ITL), offline maximum-load throughput (N requests, EOS ignored),
            and for bf16 the HF workload through lowbit (the ratio)
   extra    FP8 maximum load at the other ISL/OSL pairs of issue 7 (--extra)
+The defaults (up to 1024 sequences in flight, 768 requests at 1000/1000) are the settings of the maximum-load figures
+in docs/benchmarks.md run 23; --max-batch-size 512 gives the earlier runs' setting.
 Writes JSON (--json) and a markdown section (--markdown, appended).
 """
 import argparse
@@ -56,12 +58,12 @@ def parse(argv):
     p.add_argument("--isl", type=int, default=128)
     p.add_argument("--osl", type=int, default=128)
     p.add_argument("--num-requests", type=int, default=1024)
-    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-batch-size", type=int, default=1024)  # maximum load: as many sequences as the H200 holds
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--hf-batch", type=int, default=64)
     p.add_argument("--phases", default="check,attn,hf,formats,sampled,extra")
     p.add_argument("--check-layers", type=int, default=2)
-    p.add_argument("--extra", default="1000/1000/256,2048/128/512", help="ISL/OSL/N for FP8 maximum load")
+    p.add_argument("--extra", default="1000/1000/768,2048/128/512", help="ISL/OSL/N for FP8 maximum load")
     p.add_argument("--tiny", action="store_true", help="a tiny fp32 config (CPU smoke test)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--deadline-s", type=float, default=1e9)
