@@ -19,7 +19,8 @@ def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: to
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def _rotary_ref(q, k, positions, cos_sin_cache, q_scale=None, k_scale=None):
+def rotary_ref(q, k, positions, cos_sin_cache, q_scale=None, k_scale=None):
+    """q_scale, k_scale: fp32 factors applied before rotating (rotary_qk_ref's part scales)."""
     head_dim = cos_sin_cache.shape[-1]
     cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)  # [T, D/2] each
     cos, sin = cos[:, None, :], sin[:, None, :]
@@ -29,10 +30,6 @@ def _rotary_ref(q, k, positions, cos_sin_cache, q_scale=None, k_scale=None):
     return q_out, k_out
 
 
-def rotary_ref(q, k, positions, cos_sin_cache):
-    return _rotary_ref(q, k, positions, cos_sin_cache)
-
-
 def rotary_qk_ref(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales=None):
     """qkv [T, >= (Hq+2Hk)*D] holding q's heads, k's, then v's at the start of each row -> new q [T, Hq*D],
     k [T, Hk*D], and v [T, Hk*D] (a view of qkv without part_scales)."""
@@ -40,9 +37,9 @@ def rotary_qk_ref(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_
     q_end, k_end = num_q_heads * d, (num_q_heads + num_k_heads) * d
     q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:k_end + num_k_heads * d]
     if part_scales is None:
-        return (*_rotary_ref(q, k, positions, cos_sin_cache), v)
+        return (*rotary_ref(q, k, positions, cos_sin_cache), v)
     s = part_scales.float()
-    q_out, k_out = _rotary_ref(q, k, positions, cos_sin_cache, s[0], s[1])
+    q_out, k_out = rotary_ref(q, k, positions, cos_sin_cache, s[0], s[1])
     return q_out, k_out, (v.float() * s[2]).to(qkv.dtype)
 
 

@@ -28,7 +28,6 @@ def fp8_part_scales(algo: str | None, parts: list[dict]) -> torch.Tensor | None:
     if torch.equal(scales, scales[:1].expand_as(scales)) or not bool((scales > 0).all()):
         return None
     ratios = scales / scales[0]
-    ratios[0] = 1.0
     return ratios
 
 

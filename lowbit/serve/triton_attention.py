@@ -28,10 +28,10 @@ class TritonAttentionBackend:
 
     @staticmethod
     def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None) -> torch.Tensor:
-        if ctx.is_decode:
+        n = len(ctx.query_lens_cpu) if ctx.is_decode else leading_single_tokens(ctx.query_lens_cpu)
+        if n == len(ctx.query_lens_cpu):  # decodes, or one-token prompt chunks only: one row per sequence
             return pa.paged_decode(q, kv_cache, ctx.block_tables, ctx.context_lens, scale, k_scale, v_scale,
                                    out_scale=out_scale)
-        n = leading_single_tokens(ctx.query_lens_cpu)
         if n == 0:
             return paged_prefill(q, kv_cache, ctx.query_start_loc, ctx.context_lens, ctx.block_tables,
                                  max(ctx.query_lens_cpu), scale, k_scale, v_scale, out_scale)
