@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from lowbit.kernels._triton import cdiv, kernel, on_gpu, tl
 from lowbit.kernels.norm import quantize_fp8_ref
 
-_BLOCK = 1024
+CONFIG = (1024, 4)  # (BLOCK columns per program, num_warps)
 
 
 def silu_and_mul_ref(x: torch.Tensor, quant_scale: torch.Tensor | None = None,
@@ -47,14 +47,15 @@ def silu_and_mul(x: torch.Tensor, quant_scale: torch.Tensor | None = None,
 
 
 def silu_and_mul_triton(x: torch.Tensor, quant_scale: torch.Tensor | None = None,
-                        up_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        up_scale: torch.Tensor | None = None, config: tuple[int, int] | None = None) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d).contiguous()
     out_dtype = x.dtype if quant_scale is None else torch.float8_e4m3fn
     out = torch.empty(x2.shape[0], d, dtype=out_dtype, device=x.device)
     if up_scale is not None and up_scale.numel() != 1:
         raise ValueError(f"up_scale must hold one value, got shape {tuple(up_scale.shape)}")
-    _silu_and_mul_kernel[(x2.shape[0], cdiv(d, _BLOCK))](
+    block, warps = config or CONFIG
+    _silu_and_mul_kernel[(x2.shape[0], cdiv(d, block))](
         x2, out, quant_scale if quant_scale is not None else x2, up_scale if up_scale is not None else x2, d,
-        QUANT=quant_scale is not None, UP_SCALED=up_scale is not None, BLOCK=_BLOCK, num_warps=4)
+        QUANT=quant_scale is not None, UP_SCALED=up_scale is not None, BLOCK=block, num_warps=warps)
     return out.reshape(*x.shape[:-1], d)
