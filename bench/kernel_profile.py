@@ -21,6 +21,7 @@ from lowbit.serve.context import StepContext  # noqa: E402
 
 GROUPS = (  # (group, substrings of the kernel name), first match wins
     ("attention", ("_decode_kernel", "_combine_kernel", "_prefill")),
+    ("rotary_kv_store", ("_rotary_store_kv",)),
     ("kv_store", ("_store_kv",)),
     ("gemm_triton", ("_fp8_small_m", "_w4", "_gemv", "_scaled_gemm", "_int8_gemm", "matmul_kernel")),
     ("gemm_cublas", ("gemm", "xmma", "cutlass", "sm90_", "nvjet", "splitKreduce")),

@@ -84,6 +84,17 @@ def op_errors(bench, args, fmt) -> dict:
             rec.add("store_kv", kv_cache.float(), ref.float())
 
         @staticmethod
+        def rotary_store_kv(qkv, hq, hk, positions, cache, part_scales, kv_cache, slot_mapping, k_scale, v_scale):
+            ref = kv_cache.clone()
+            q_ref = attn_mod.TorchAttentionBackend.rotary_store_kv(qkv, hq, hk, positions, cache, part_scales, ref,
+                                                                   slot_mapping, k_scale, v_scale)
+            q = TritonAttentionBackend.rotary_store_kv(qkv, hq, hk, positions, cache, part_scales, kv_cache,
+                                                       slot_mapping, k_scale, v_scale)
+            rec.add("rotary_store_kv q", q, q_ref)
+            rec.add("rotary_store_kv cache", kv_cache.float(), ref.float())
+            return q
+
+        @staticmethod
         def attend(q, kv_cache, ctx, scale, k_scale, v_scale, out_scale=None):
             out = TritonAttentionBackend.attend(q, kv_cache, ctx, scale, k_scale, v_scale, out_scale)
             ref = bench.Fp32KvAttention.attend(q, kv_cache, ctx, scale, k_scale, v_scale, out_scale)

@@ -132,14 +132,29 @@ def _load_fp8(merged_linear, seed, defer):
     merged_linear.load(["FP8"] * len(parts), parts, "cpu", torch.float32, defer=defer)
 
 
+class _Recorder:
+    """An attention backend recording the q, k, v that rotary_store_kv stores (the torch backend's rotary_qk_ref)."""
+
+    def __init__(self, out: dict, key):
+        self.out, self.key = out, key
+
+    def rotary_store_kv(self, qkv, hq, hk, positions, cos_sin_cache, part_scales, *_):
+        from lowbit.kernels import rotary_qk_ref
+        return self.out.setdefault(self.key, rotary_qk_ref(qkv, hq, hk, positions, cos_sin_cache, part_scales))[0]
+
+    def attend(self, q, *_):
+        return q
+
+
 @pytest.mark.parametrize("attn_kwargs", [{}, {"qkv_bias": True}, {"qk_norm": True}])
 def test_llama_blocks_apply_the_deferred_part_scales(attn_kwargs, monkeypatch):
+    from lowbit.serve import attention
     from lowbit.serve.layers import RotaryEmbedding
     from lowbit.serve.models.llama import LlamaAttention, LlamaMLP
 
     rotary = RotaryEmbedding(CONFIG, 32, 64)
     x = torch.randn(6, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(5))
-    ctx = type("Ctx", (), {"positions": torch.arange(6)})()
+    ctx = type("Ctx", (), {"positions": torch.arange(6), "slot_mapping": torch.arange(6)})()
     qkv_out, mlp_out = {}, {}
     attn_defers = not attn_kwargs.get("qk_norm")  # Qwen3's RMSNorm before RoPE would absorb a ratio: per-row
     for defer in (False, True):
@@ -152,6 +167,7 @@ def test_llama_blocks_apply_the_deferred_part_scales(attn_kwargs, monkeypatch):
         assert (attn.qkv_proj.part_scales is not None) == (defer and attn_defers)
         assert (mlp.gate_up_proj.part_scales is not None) == defer
         monkeypatch.setattr(attn.attn, "forward", lambda q, k, v, ctx, scale: qkv_out.setdefault(defer, (q, k, v))[0])
+        monkeypatch.setattr(attention, "_backend", _Recorder(qkv_out, defer))
         attn(x, ctx)
         mlp_out[defer] = mlp(x)
     (ref, got), (mlp_ref, mlp_got) = qkv_out.values(), mlp_out.values()

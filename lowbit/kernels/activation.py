@@ -1,6 +1,7 @@
 """SiLU-and-multiply of the gate/up projection: x [..., 2*D] -> silu(x[..., :D]) * x[..., D:]  [..., D].
 
-With quant_scale (the down projection's static FP8 input_scale) the output is float8_e4m3fn, out / quant_scale.
+With quant_scale (the down projection's static FP8 input_scale) the output is float8_e4m3fn, out / quant_scale (the
+kernel multiplies by 1 / quant_scale, as lowbit.kernels.norm does).
 With up_scale (fp32, 0-d or 1 element: a merged gate/up layer's deferred weight-scale ratio) up is multiplied by it
 in fp32 first: silu(gate) * (up * up_scale), rounded to x's dtype once.
 """
@@ -33,7 +34,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, up_scale_ptr, D, QUANT: tl.c
         up = up * tl.load(up_scale_ptr).to(tl.float32)
     y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
     if QUANT:
-        v = tl.minimum(tl.maximum(tl.div_rn(y.to(tl.float32), tl.load(scale_ptr)), -448.0), 448.0)
+        inv = tl.div_rn(1.0, tl.load(scale_ptr))  # one division per program, not per element
+        v = tl.minimum(tl.maximum(y.to(tl.float32) * inv, -448.0), 448.0)
         tl.store(out_ptr + row * D + cols, v.to(tl.float8e4nv), mask=mask)
     else:
         tl.store(out_ptr + row * D + cols, y, mask=mask)

@@ -1,7 +1,8 @@
 """RMSNorm with the residual add fused in: out = weight * normalize(x + residual), new_residual = x + residual.
 
 With quant_scale (the next FP8 linear's static input_scale, fp32 []) the output is written as float8_e4m3fn,
-out / quant_scale: the activation quantization of that linear then costs nothing (see linear's fp8 input).
+out / quant_scale (the kernel multiplies by 1 / quant_scale: one fp32 rounding apart, which changes an FP8 code only
+at an exact rounding tie): the activation quantization of that linear then costs nothing (see linear's fp8 input).
 """
 import torch
 
@@ -41,7 +42,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, D, 
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (normed * w).to(dtype)
     if QUANT:
-        v = tl.div_rn(y.to(tl.float32), tl.load(scale_ptr))
+        v = y.to(tl.float32) * tl.div_rn(1.0, tl.load(scale_ptr))  # one division per row, not per element
         tl.store(out_ptr + row * D + cols, tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv), mask=mask)
     else:
         tl.store(out_ptr + row * D + cols, y, mask=mask)

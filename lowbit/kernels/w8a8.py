@@ -48,9 +48,6 @@ def _per_tensor_then_column_scale(q, w, scale_a, scale_b, bias, out_dtype):
 # K = 4096 (o 7.2-7.5 vs 10.6-11.6, qkv 9.4-9.9 vs 10.5-12.0, gate_up 30.2-31.6 vs 31.5-34.2 but for M = 2).
 SMALL_M_MAX = {"per_tensor": 24, "per_row": 32, "per_token": 32}
 SMALL_M_PER_TENSOR_MIN_K = 8192
-# From this M on, per-tensor GEMMs use cuBLAS's fast FP8 accumulation (no periodic promotion to fp32), as vLLM's
-# CUTLASS FP8 kernels do; None: never.
-FAST_ACCUM_MIN_M = None
 
 
 def scale_kind(scale_a, scale_b) -> str:
@@ -70,10 +67,8 @@ def small_m_applies(q, w, scale_a, scale_b) -> bool:
 def scaled_mm(q, w, scale_a, scale_b, bias, out_dtype):
     """q [M, K] fp8, w [N, K] fp8; scale_a [] or [M, 1]; scale_b [] or [N]: the cuBLAS routes (scaled_mm_applies)."""
     if scale_a.numel() == 1 and scale_b.numel() == 1:
-        fast = FAST_ACCUM_MIN_M is not None and q.shape[0] >= FAST_ACCUM_MIN_M
         return torch._scaled_mm(q, w.t(), scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()),
-                                bias=bias.to(out_dtype) if bias is not None else None, out_dtype=out_dtype,
-                                use_fast_accum=fast)
+                                bias=bias.to(out_dtype) if bias is not None else None, out_dtype=out_dtype)
     m, n = q.shape[0], w.shape[0]
     if scale_a.numel() == 1 and m <= PER_TENSOR_THEN_SCALE_MAX_M:
         return _per_tensor_then_column_scale(q, w, scale_a, scale_b, bias, out_dtype)

@@ -1,8 +1,9 @@
-"""Paged attention over one KV tensor per layer, behind a two-function backend (store K/V, attend).
+"""Paged attention over one KV tensor per layer, behind a backend of three functions (store K/V; rotate q and k from
+the fused QKV rows and store K/V, in one; attend).
 
 kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim], in the model dtype or float8_e4m3fn. With FP8, the
 stored value is k / k_scale (v / v_scale), the checkpoint's per-layer scalars. The torch reference below runs
-everywhere; a GPU backend (Triton, issue 7) replaces it by implementing the same two functions.
+everywhere; a GPU backend (Triton, issue 7) replaces it by implementing the same three functions.
 """
 import torch
 import torch.nn.functional as F
@@ -10,6 +11,7 @@ from torch import nn
 
 from lowbit.checkpoint.formats import FP8_MAX
 from lowbit.kernels.norm import quantize_fp8_ref
+from lowbit.kernels.rotary import rotary_qk_ref
 from lowbit.serve.context import StepContext
 
 
@@ -22,6 +24,17 @@ class TorchAttentionBackend:
         flat = _bits(kv_cache).view(2, -1, *kv_cache.shape[-2:])  # index_copy_ has no float8 kernel on CPU
         flat[0].index_copy_(0, slot_mapping, _bits(_quantize(k, k_scale, kv_cache.dtype)))
         flat[1].index_copy_(0, slot_mapping, _bits(_quantize(v, v_scale, kv_cache.dtype)))
+
+    @staticmethod
+    def rotary_store_kv(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales, kv_cache,
+                        slot_mapping, k_scale, v_scale) -> torch.Tensor:
+        """qkv [T, >= (Hq+2Hk)*D], the fused projection's rows -> rotated q [T, Hq*D]; rotated k and v stored as
+        store_kv stores them (rotary_qk_ref, then store_kv)."""
+        q, k, v = rotary_qk_ref(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales)
+        t, d = q.shape[0], cos_sin_cache.shape[-1]
+        TorchAttentionBackend.store_kv(k.view(t, num_k_heads, d), v.reshape(t, num_k_heads, d), kv_cache,
+                                       slot_mapping, k_scale, v_scale)
+        return q
 
     @staticmethod
     def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None) -> torch.Tensor:
@@ -71,7 +84,8 @@ _backend = TorchAttentionBackend()
 
 
 def set_attention_backend(backend) -> None:
-    """Install a backend with store_kv/attend of the signatures above (e.g. Triton kernels on the GPU)."""
+    """Install a backend with store_kv / rotary_store_kv / attend of the signatures above (e.g. Triton kernels on
+    the GPU)."""
     global _backend
     _backend = backend
 
@@ -94,4 +108,16 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         _backend.store_kv(k, v, self.kv_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
-        return _backend.attend(q, self.kv_cache, ctx, self.scale, self.k_scale, self.v_scale, out_scale).reshape(t, -1)
+        return self._attend(q, ctx, out_scale)
+
+    def forward_qkv(self, qkv, cos_sin_cache, part_scales, ctx: StepContext, out_scale=None) -> torch.Tensor:
+        """qkv [T, >= (Hq+2Hk)*D], the fused projection's rows (part_scales: fp32 [3] or None, see rotary_qk) ->
+        [T, Hq*D] as forward gives: rotary and the K/V store in one backend call."""
+        q = _backend.rotary_store_kv(qkv, self.num_heads, self.num_kv_heads, ctx.positions, cos_sin_cache,
+                                     part_scales, self.kv_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
+        return self._attend(q.view(q.shape[0], self.num_heads, self.head_dim), ctx, out_scale)
+
+    def _attend(self, q, ctx: StepContext, out_scale) -> torch.Tensor:
+        """q [T, Hq, D] -> [T, Hq*D]."""
+        out = _backend.attend(q, self.kv_cache, ctx, self.scale, self.k_scale, self.v_scale, out_scale)
+        return out.reshape(q.shape[0], -1)

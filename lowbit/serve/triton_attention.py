@@ -1,5 +1,6 @@
-"""The GPU attention backend behind serve.attention's store_kv / attend: lowbit.kernels.paged_attention (KV store,
-decode) and lowbit.kernels.paged_prefill (prefill, extend).
+"""The GPU attention backend behind serve.attention's store_kv / rotary_store_kv / attend:
+lowbit.kernels.paged_attention (KV store, decode), lowbit.kernels.rotary_kv (rotary fused into the KV store) and
+lowbit.kernels.paged_prefill (prefill, extend).
 
 Decode steps read only device tensors (graph-capturable); other steps size their grid from the host query lengths.
 A mixed step (the scheduler puts decodes first, then prefill chunks) runs its leading one-token sequences through
@@ -10,6 +11,7 @@ import torch
 
 from lowbit.kernels import paged_attention as pa
 from lowbit.kernels.paged_prefill import paged_prefill
+from lowbit.kernels.rotary_kv import rotary_store_kv
 from lowbit.serve.context import StepContext
 
 
@@ -25,6 +27,12 @@ class TritonAttentionBackend:
     @staticmethod
     def store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale) -> None:
         pa.store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+
+    @staticmethod
+    def rotary_store_kv(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales, kv_cache,
+                        slot_mapping, k_scale, v_scale) -> torch.Tensor:
+        return rotary_store_kv(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales, kv_cache,
+                               slot_mapping, k_scale, v_scale)
 
     @staticmethod
     def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Module names follow the HF checkpoints (model.layers.N.input_layernorm, ...) so weights load by name; q/k/v and
 gate/up run as merged linears (self_attn.qkv_proj, mlp.gate_up_proj) loaded from their HF parts; FP8 parts with
-unequal weight scales merge per-tensor and rotary_qk / silu_and_mul apply the deferred ratios (layers.MergedLinear).
+unequal weight scales merge per-tensor and rotary_store_kv (or rotary_qk) / silu_and_mul apply the deferred ratios
+(layers.MergedLinear).
 Activations are flattened: hidden [T, hidden_size] for the T new tokens of all sequences in the step. Where the
 next linear is static FP8, the norm (or silu) before it writes its output already quantized to float8_e4m3fn.
 """
@@ -24,7 +25,7 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv_bias = qkv_bias or config.get("attention_bias", False)
         self.sizes = [q_size, kv_size, kv_size]
-        # without qk_norm, rotary_qk applies the merged FP8 layer's deferred scales (an RMSNorm would absorb them)
+        # without qk_norm, rotary_store_kv applies the merged FP8 layer's deferred scales (an RMSNorm would absorb them)
         self.qkv_proj = MergedLinear(hidden, self.sizes, qkv_bias, ["q_proj", "k_proj", "v_proj"],
                                      defer_part_scales=not qk_norm)
         self.o_proj = Linear(q_size, hidden, config.get("attention_bias", False))
@@ -35,16 +36,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split(self.sizes, dim=-1)
-        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
-            t = hidden.shape[0]
-            q = self.q_norm(q.view(t, -1, self.head_dim)).view(t, -1)
-            k = self.k_norm(k.view(t, -1, self.head_dim)).view(t, -1)
-            q, k = self.rotary[0](ctx.positions, q, k)
-        else:  # q and k (and v, with part_scales) straight from the qkv rows, one launch
-            q, k, v = self.rotary[0].qk(ctx.positions, qkv, self.num_heads, self.num_kv_heads,
-                                        self.qkv_proj.part_scales)
-        return self.o_proj(self.attn(q, k, v, ctx, self.o_proj.fp8_input_scale))
+        out_scale = self.o_proj.fp8_input_scale
+        if self.q_norm is None:  # rotary (with part_scales) and the K/V store straight from the qkv rows, one launch
+            return self.o_proj(self.attn.forward_qkv(qkv, self.rotary[0].cos_sin_cache, self.qkv_proj.part_scales,
+                                                     ctx, out_scale))
+        q, k, v = qkv.split(self.sizes, dim=-1)  # Qwen3: per-head RMSNorm before RoPE
+        t = hidden.shape[0]
+        q = self.q_norm(q.view(t, -1, self.head_dim)).view(t, -1)
+        k = self.k_norm(k.view(t, -1, self.head_dim)).view(t, -1)
+        q, k = self.rotary[0](ctx.positions, q, k)
+        return self.o_proj(self.attn(q, k, v, ctx, out_scale))
 
 
 class LlamaMLP(nn.Module):
