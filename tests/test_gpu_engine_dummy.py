@@ -46,3 +46,19 @@ def test_kernels_and_graphs_match_reference_path_on_gpu(fmt):
     bench = load_bench()
     res = bench.check_format(bench.parse(["--check-layers", "2"]), fmt)
     assert res["graph_used"] and res["pass"], res
+
+
+def test_measured_runs_meet_no_cached_prefix():
+    """Two maximum-load runs of the same shape in one process (as serve_bench's extras) take the same number of
+    steps: the second must not skip prefill by hitting the first run's blocks in the prefix cache (it did when both
+    drew their prompts from one seed: 512 x 1000/1000 then 768 x 1000/1000 ran 64 fewer steps, benchmarks.md run 31)."""
+    bench = load_bench()
+    args = bench.parse(["--tiny", "--device", "cpu"])
+    engine = bench.build_engine(args, "bf16", max_batch_size=8, max_num_tokens=64, num_kv_blocks=256)
+    vocab = engine.runner.model.config["vocab_size"]
+    first = bench.offline(engine, bench.fresh_prompts(4, 48, vocab), 2)
+    second = bench.offline(engine, bench.fresh_prompts(4, 48, vocab), 2)
+    assert second["steps"] == first["steps"] >= 4  # 4 x 48 prompt tokens at 64 per step, then the decode
+    repeated = bench.offline(engine, bench.random_prompts(4, 48, vocab, seed=1), 2)
+    repeated_again = bench.offline(engine, bench.random_prompts(4, 48, vocab, seed=1), 2)
+    assert repeated_again["steps"] < repeated["steps"]  # what a repeated seed does: the cache serves the prefill
