@@ -10,7 +10,7 @@ FP8 per-tensor weight scales differ between parts (modelopt calibrates each weig
   the FP8 GEMM applies in its epilogue (cuBLAS's row-wise path, slower than per-tensor);
 - with `part_scales` (from `fp8_part_scales`: r_i = s_i / s_0) the merged weight scale is part 0's scalar s_0, so
   the GEMM stays per-tensor, and part i's output comes out divided by r_i (its bias is stored as b_i / r_i). The
-  layer's consumer multiplies it back (silu_and_mul's up_scale, rotary_qk's part_scales).
+  layer's consumer multiplies it back (silu_and_mul's up_scale, rotary_store_kv's part_scales).
 """
 import torch
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.kernels import linear as quant_linear
-from lowbit.kernels import prepare_linear, rms_norm, rotary, rotary_qk, silu_and_mul
+from lowbit.kernels import prepare_linear, rms_norm, rotary, silu_and_mul
 from lowbit.serve.fuse import fp8_part_scales, merge_linear_tensors
 
 
@@ -161,9 +161,3 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return rotary(q, k, positions, self.cos_sin_cache)
-
-    def qk(self, positions: torch.Tensor, qkv: torch.Tensor, num_q_heads: int, num_k_heads: int,
-           part_scales: torch.Tensor | None = None):
-        """qkv [T, (Hq + 2 Hk) * D], the fused projection's output -> rotated q [T, Hq*D], k [T, Hk*D], and v
-        [T, Hk*D]; part_scales: fp32 [3] multiplying q, k, v (a merged layer's deferred scales)."""
-        return rotary_qk(qkv, num_q_heads, num_k_heads, positions, self.cos_sin_cache, part_scales)
