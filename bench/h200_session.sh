@@ -1,8 +1,9 @@
 #!/bin/bash
-# Three device calls (each under the device tool's 10-minute limit) that check, then time, the GPU paths:
+# Four device calls (each under the device tool's 10-minute limit) that check, then time, the GPU paths:
 #   bash bench/h200_session.sh check    # engine vs reference for every format, kernel tests, step and kernel profiles
 #   bash bench/h200_session.sh serve    # lowbit bench serve, FP8: batch 1, maximum load at batch 1024 and 512, extras
 #   bash bench/h200_session.sh formats  # lowbit bench serve: bf16, int4_awq, nvfp4 and the HF baseline
+#   bash bench/h200_session.sh trt      # FP8 2048/128 and 1000/1000 with TRT-LLM's request counts (3000 each)
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -42,8 +43,13 @@ formats)
     timeout 540 python3 bench/serve_bench.py --formats bf16,int4_awq,nvfp4 --phases hf,formats \
         --max-batch-size 512 --deadline-s 480 --json "$OUT/serve.json" --markdown "$OUT/serve.md" 2>&1 | grep -E '^\['
     ;;
+trt)
+    part "FP8 maximum load with TRT-LLM's perf-overview request counts: 3000 x 2048/128, 3000 x 1000/1000"
+    timeout 540 python3 bench/serve_bench.py --formats fp8 --phases formats,extra --max-batch-size 1024 \
+        --extra 2048/128/3000,1000/1000/3000 --deadline-s 300 --json "$OUT/serve_trt.json" 2>&1 | grep -E '^\['
+    ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt" >&2
     exit 2
     ;;
 esac
