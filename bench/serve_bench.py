@@ -212,7 +212,7 @@ def reference_path(engine, reader_rounding: bool = False):
     static FP8 linears and FP8 KV attention as fp32 math on the FP8 codes, which is what the kernels compute).
     reader_rounding: FP8 as the checkpoint reader computes it instead (dequantized activations and K/V rounded to
     bf16 first, as modelopt's fake quantization does)."""
-    from lowbit.kernels import linear_ref, rms_norm_ref, rotary_qk_ref, rotary_ref, silu_and_mul_ref
+    from lowbit.kernels import linear_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref
 
     weight_only = {}
 
@@ -224,10 +224,10 @@ def reference_path(engine, reader_rounding: bool = False):
             p = weight_only.setdefault(id(p), replace(p, algo="W4A16_NVFP4", input_scale=None))
         return linear_ref(x, p, bias, out_dtype)
 
-    saved = {n: getattr(layers_mod, n) for n in ("quant_linear", "rms_norm", "rotary", "rotary_qk", "silu_and_mul")}
+    saved = {n: getattr(layers_mod, n) for n in ("quant_linear", "rms_norm", "rotary", "silu_and_mul")}
     backend, graphs = attn_mod._backend, engine.runner.graphs
     layers_mod.quant_linear, layers_mod.rms_norm = ref_linear, rms_norm_ref
-    layers_mod.rotary, layers_mod.rotary_qk, layers_mod.silu_and_mul = rotary_ref, rotary_qk_ref, silu_and_mul_ref
+    layers_mod.rotary, layers_mod.silu_and_mul = rotary_ref, silu_and_mul_ref  # rotary_store_kv: the backend's
     attn_mod.set_attention_backend(attn_mod.TorchAttentionBackend() if reader_rounding else Fp32KvAttention())
     engine.runner.graphs = None
     try:

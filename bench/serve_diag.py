@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lowbit.bench_cli import load_script  # noqa: E402
 from lowbit.kernels import linear, linear_ref, rms_norm, rms_norm_ref, rotary, rotary_ref  # noqa: E402
-from lowbit.kernels import rotary_qk, rotary_qk_ref  # noqa: E402
 from lowbit.kernels import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from lowbit.serve import attention as attn_mod  # noqa: E402
 from lowbit.serve import layers as layers_mod  # noqa: E402
@@ -63,13 +62,6 @@ def op_errors(bench, args, fmt) -> dict:
         rec.add("rotary k", out[1], ref[1])
         return out
 
-    def rot_qk(qkv, hq, hk, positions, cache, part_scales=None):
-        out = rotary_qk(qkv, hq, hk, positions, cache, part_scales)
-        ref = rotary_qk_ref(qkv, hq, hk, positions, cache, part_scales)
-        for name, o, r in zip(("rotary q", "rotary k", "rotary v"), out, ref):
-            rec.add(name, o, r)
-        return out
-
     def act(x, quant_scale=None, up_scale=None):
         y = silu_and_mul(x, quant_scale, up_scale)
         rec.add("silu_and_mul", y, silu_and_mul_ref(x, quant_scale, up_scale))
@@ -103,9 +95,8 @@ def op_errors(bench, args, fmt) -> dict:
 
     engine = bench.build_engine(args, fmt, layers=2, enable_prefix_caching=False, max_batch_size=8,
                                 kv_cache_max_tokens=16384, cuda_graphs=False)
-    saved = {n: getattr(layers_mod, n) for n in ("quant_linear", "rms_norm", "rotary", "rotary_qk", "silu_and_mul")}
+    saved = {n: getattr(layers_mod, n) for n in ("quant_linear", "rms_norm", "rotary", "silu_and_mul")}
     layers_mod.quant_linear, layers_mod.rms_norm, layers_mod.rotary, layers_mod.silu_and_mul = lin, norm, rot, act
-    layers_mod.rotary_qk = rot_qk
     attn_mod.set_attention_backend(Both())
     try:
         vocab = engine.runner.model.config["vocab_size"]

@@ -62,3 +62,21 @@ def test_measured_runs_meet_no_cached_prefix():
     repeated = bench.offline(engine, bench.random_prompts(4, 48, vocab, seed=1), 2)
     repeated_again = bench.offline(engine, bench.random_prompts(4, 48, vocab, seed=1), 2)
     assert repeated_again["steps"] < repeated["steps"]  # what a repeated seed does: the cache serves the prefill
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not interpreting(), reason="CPU interpreter test")
+def test_reference_path_swaps_in_references_and_restores_on_cpu():
+    """serve_bench's reference path (the GPU check's baseline) runs the engine on the torch references and then puts
+    every kernel back; it broke once when a layers function it swaps was removed."""
+    from lowbit.serve import layers
+
+    bench = load_bench()
+    args = bench.parse(["--tiny", "--device", "cpu"])
+    engine = bench.build_engine(args, "fp8", enable_prefix_caching=False, max_batch_size=4, num_kv_blocks=64)
+    before = {n: getattr(layers, n) for n in ("quant_linear", "rms_norm", "rotary", "silu_and_mul")}
+    backend = attention._backend
+    with bench.reference_path(engine):
+        assert layers.rms_norm is not before["rms_norm"] and attention._backend is not backend
+        tokens, _, _ = bench.greedy_with_logits(engine, [bench.random_prompts(1, 9, 512, seed=9)[0]], 3)
+    assert len(tokens[0]) == 3
+    assert {n: getattr(layers, n) for n in before} == before and attention._backend is backend

@@ -5,6 +5,8 @@ cos in [:, :D/2] and sin in [:, D/2:]. Returns new (q, k) of the input shapes an
 rotary_qk reads q and k straight from the fused QKV projection's output (one launch, no copies) and returns
 (q, k, v); with part_scales (fp32 [3], a merged q/k/v layer's deferred weight-scale ratios) q, k and v are first
 multiplied by them in fp32 (rotation is linear) and v is written by the same launch, else v is a view of qkv.
+The engine's Llama path runs rotary_kv.rotary_store_kv instead (rotary and the K/V store in one launch); rotary_qk_ref
+is its reference's first half.
 """
 import torch
 

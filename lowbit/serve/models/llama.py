@@ -2,7 +2,7 @@
 
 Module names follow the HF checkpoints (model.layers.N.input_layernorm, ...) so weights load by name; q/k/v and
 gate/up run as merged linears (self_attn.qkv_proj, mlp.gate_up_proj) loaded from their HF parts; FP8 parts with
-unequal weight scales merge per-tensor and rotary_store_kv (or rotary_qk) / silu_and_mul apply the deferred ratios
+unequal weight scales merge per-tensor and rotary_store_kv / silu_and_mul apply the deferred ratios
 (layers.MergedLinear).
 Activations are flattened: hidden [T, hidden_size] for the T new tokens of all sequences in the step. Where the
 next linear is static FP8, the norm (or silu) before it writes its output already quantized to float8_e4m3fn.
