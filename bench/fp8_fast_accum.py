@@ -7,6 +7,7 @@ operands. Inputs: x ~ N(0, 1) and w ~ N(0, 0.02) quantized per tensor (amax / 44
 """
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -46,11 +47,18 @@ def main(argv=None) -> int:
     p.add_argument("--m", default="256,512,1024,2048,8192")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{Path(__file__).name} needs a CUDA GPU", file=sys.stderr)
+        return 2
+    try:
+        ms = [int(v) for v in args.m.split(",")]
+    except ValueError:
+        p.error(f"--m takes comma-separated integers, got {args.m!r}")
     kb = load_script("kernels.py")
     rows = []
     print("| shape | M | exact us | fast us | speedup | rel. err exact | rel. err fast |")
     print("|---|---|---|---|---|---|---|")
-    for m in [int(v) for v in args.m.split(",")]:
+    for m in ms:
         for name, (k, n) in SHAPES.items():
             r = measure(kb, name, k, n, m)
             rows.append(r)

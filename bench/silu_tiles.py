@@ -7,6 +7,7 @@ FP8 out (the engine's static FP8 path) and bf16 out. Each config is checked agai
 """
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -34,10 +35,17 @@ def main(argv=None) -> int:
     p.add_argument("--m", default="1,1024,8192")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{Path(__file__).name} needs a CUDA GPU", file=sys.stderr)
+        return 2
+    try:
+        ms = [int(v) for v in args.m.split(",")]
+    except ValueError:
+        p.error(f"--m takes comma-separated integers, got {args.m!r}")
     rows = []
     print("| M | out | " + " | ".join(f"{b}x{w}w" for b, w in CONFIGS) + " |")
     print("|---|---|" + "---|" * len(CONFIGS))
-    for m in [int(v) for v in args.m.split(",")]:
+    for m in ms:
         x = torch.randn(m, 2 * D, device="cuda", dtype=torch.bfloat16) * 3
         up_scale = torch.tensor(0.9, device="cuda")
         for scale in (torch.tensor(0.05, device="cuda"), None):
