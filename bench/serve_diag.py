@@ -10,6 +10,7 @@
 import argparse
 import json
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -138,6 +139,24 @@ def replay_times(bench, args, fmt) -> dict:
     return res
 
 
+def host_timing(step, reps: int = 3) -> dict:
+    """Wall time of a step from an idle device, the part of it the host spends enqueuing (a step whose enqueue
+    time is close to its wall time is host-bound or waits on the device inside), and the caching allocator's
+    cudaMalloc calls and out-of-memory retries (each retry frees cached blocks: a device-wide sync) during them."""
+    before = torch.cuda.memory_stats()
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+    after = torch.cuda.memory_stats()
+    return {"step_wall_ms": round(1e3 * (t2 - t0), 2), "step_enqueue_ms": round(1e3 * (t1 - t0), 2),
+            "cuda_mallocs": after["num_device_alloc"] - before["num_device_alloc"],
+            "alloc_retries": after["num_alloc_retries"] - before["num_alloc_retries"]}
+
+
 def prefill_times(bench, args, fmt, batch=4, length=2048) -> dict:
     """One prefill step of batch x length new tokens: the whole model, and paged_prefill alone (x layers)."""
     import triton
@@ -151,6 +170,7 @@ def prefill_times(bench, args, fmt, batch=4, length=2048) -> dict:
     step, ctx = profile.prefill_step(engine, n, length), profile.prefill_inputs(engine, batch, length)[1]
     res = {"format": fmt, "tokens": n, "model_ms": round(triton.testing.do_bench(step, warmup=2, rep=20,
                                                                                  return_mode="median"), 2)}
+    res.update(host_timing(step))
     a = r.attn_layers[0]
     q = torch.randn(n, a.num_heads, a.head_dim, device=dev, dtype=torch.bfloat16)
     one = torch.tensor(1.0, device=dev)

@@ -4,9 +4,12 @@ overlapped steps the host works while the device computes, so a step that waits 
 waits is device-bound. GPU only: `python3 bench/step_profile.py [--format fp8] [--max-batch-size 512]`."""
 import argparse
 import collections
+import gc
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lowbit.bench_cli import load_script  # noqa: E402
@@ -23,39 +26,85 @@ def timed(fn, totals, key):
     return wrapper
 
 
-def run(engine, requests: int, isl: int, osl: int, seed: int) -> dict:
+def composition(batch) -> str:
+    """'D decodes + P prompt chunks (T tokens, longest L)' of a scheduled batch; '-' for none."""
+    if batch is None:
+        return "-"
+    chunks = [n for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.in_prefill or n > 1]
+    return (f"{len(batch.seqs) - len(chunks)} decodes + {len(chunks)} prompt chunks ({sum(chunks)} tokens, longest "
+            f"{max(chunks, default=0)})")
+
+
+def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0.0) -> dict:
     """All requests at once; per step wall time, of which waiting for the device, scheduling, launching (and
-    within launching: building the inputs, the graph replay call, queuing the sampler). GPU engines only."""
+    within launching: building the inputs, the graph replay call, queuing the sampler). GPU engines only.
+    slow_ms > 0: also lists the steps slower than that, with what they and the step before scheduled (with
+    overlapped steps a step's wall time is mostly the device time of the step launched before it)."""
     totals = collections.Counter()
+    scheduled = []
+    schedule_fn = engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule_fn()
+        scheduled.append(composition(batch))
+        return batch
     in_flight_results = engine_module.InFlight.results
     engine_module.InFlight.results = timed(in_flight_results, totals, "wait")
     schedule, launch = engine.scheduler.schedule, engine._launch
-    prepare, replay, sample = engine.runner.prepare, engine.runner.graphs.run, engine.sampler.sample
-    engine.scheduler.schedule = timed(schedule, totals, "schedule")
-    engine._launch = timed(launch, totals, "launch")  # of which:
+    graphs = engine.runner.graphs  # None on the CPU (a plumbing check only)
+    prepare, replay, sample = engine.runner.prepare, graphs and graphs.run, engine.sampler.sample
+    engine.scheduler.schedule = timed(recording_schedule, totals, "schedule")
+    timed_launch = timed(launch, totals, "launch")  # of which:
+    on_gpu = engine.runner.device.type == "cuda"
+    device_spans = {}  # step -> CUDA events before and after its launch: the device's time from its first
+    current = [0]      # kernel's start to its last one's end, idle gaps included
+
+    def evented_launch(batch):
+        if not on_gpu:
+            return timed_launch(batch)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = timed_launch(batch)
+        end.record()
+        device_spans[current[0]] = (start, end)
+        return out
+    engine._launch = evented_launch
     engine.runner.prepare = timed(prepare, totals, "launch.prepare")
-    engine.runner.graphs.run = timed(replay, totals, "launch.graph_replay")
+    if graphs:
+        graphs.run = timed(replay, totals, "launch.graph_replay")
     engine.sampler.sample = timed(sample, totals, "launch.sample")
     try:
         params = SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
         sb = load_script("serve_bench.py")
         for i, prompt in enumerate(sb.random_prompts(requests, isl, engine.runner.model.config["vocab_size"], seed)):
             engine.add_request(f"p{seed}-{i}", prompt, params)
-        histogram, steps, start = collections.Counter(), 0, time.perf_counter()
+        histogram, steps, start, slow = collections.Counter(), 0, time.perf_counter(), []
         while engine.has_unfinished():
             step_start = time.perf_counter()
+            current[0] = steps
             engine.step()
-            histogram[2 * round(500 * (time.perf_counter() - step_start))] += 1  # 2 ms buckets
+            ms = 1e3 * (time.perf_counter() - step_start)
+            histogram[2 * round(ms / 2)] += 1  # 2 ms buckets
+            if slow_ms and ms > slow_ms:
+                slow.append({"step": steps, "ms": round(ms, 1), "this": scheduled[-1],
+                             "before": scheduled[-2] if len(scheduled) > 1 else "-"})
             steps += 1
         total = time.perf_counter() - start
+        if on_gpu:
+            torch.cuda.synchronize()
+        device_ms = {k: round(a.elapsed_time(b), 1) for k, (a, b) in device_spans.items()}
+        for row in slow:
+            row["device_ms"] = {k: device_ms.get(row["step"] + k) for k in (-1, 0)}
     finally:
         engine_module.InFlight.results = in_flight_results
         engine.scheduler.schedule, engine._launch = schedule, launch
-        engine.runner.prepare, engine.runner.graphs.run, engine.sampler.sample = prepare, replay, sample
+        engine.runner.prepare, engine.sampler.sample = prepare, sample
+        if graphs:
+            graphs.run = replay
     per_step = {k: round(1e3 * v / steps, 3) for k, v in totals.items()}
     return {"steps": steps, "seconds": round(total, 2), "output_tok_s": round(requests * osl / total),
             "ms_per_step": round(1e3 * total / steps, 3), "ms_per_step_parts": per_step,
-            "histogram_ms": dict(sorted(histogram.items()))}
+            "histogram_ms": dict(sorted(histogram.items())), **({"slow_steps": slow} if slow_ms else {})}
 
 
 def main(argv=None):
@@ -66,6 +115,8 @@ def main(argv=None):
     p.add_argument("--isl", type=int, default=128)
     p.add_argument("--osl", type=int, default=128)
     p.add_argument("--overlap", default="on,off", help="which runs: overlapped steps (on), not overlapped (off)")
+    p.add_argument("--slow-ms", type=float, default=0.0, help="list the steps slower than this (0: none)")
+    p.add_argument("--no-gc", action="store_true", help="Python's garbage collector off during the measured runs")
     a = p.parse_args(argv)
     modes = {"on": (1, True), "off": (2, False)}
     if not a.overlap or set(a.overlap.split(",")) - set(modes):
@@ -75,8 +126,17 @@ def main(argv=None):
     run(engine, min(a.requests, 2 * a.max_batch_size), a.isl, 32, seed=5)  # warm-up: Triton compiles
     for seed, overlap in (modes[m] for m in a.overlap.split(",")):  # new prompts per run: no prefix-cache hits
         engine.overlap = overlap
-        res = run(engine, a.requests, a.isl, a.osl, seed=seed)
-        print(f"{a.format} batch {a.max_batch_size} overlap={overlap}: {res}", flush=True)
+        if a.no_gc:
+            gc.collect()
+            gc.disable()
+        res = run(engine, a.requests, a.isl, a.osl, seed=seed, slow_ms=a.slow_ms)
+        gc.enable()
+        slow = res.pop("slow_steps", [])
+        print(f"{a.format} batch {a.max_batch_size} overlap={overlap} gc={'off' if a.no_gc else 'on'}: {res}",
+              flush=True)
+        for row in slow:
+            print(f"  slow step {row['step']}: {row['ms']} ms (device: launched before {row['device_ms'][-1]} ms, "
+                  f"this {row['device_ms'][0]} ms); this: {row['this']}; before: {row['before']}")
 
 
 if __name__ == "__main__":

@@ -80,3 +80,16 @@ def test_reference_path_swaps_in_references_and_restores_on_cpu():
         tokens, _, _ = bench.greedy_with_logits(engine, [bench.random_prompts(1, 9, 512, seed=9)[0]], 3)
     assert len(tokens[0]) == 3
     assert {n: getattr(layers, n) for n in before} == before and attention._backend is backend
+
+
+def test_cpu_engine_installs_the_torch_attention_backend():
+    """The attention backend is process-wide: a CPU engine built after a GPU engine (whose build installs the Triton
+    kernels) must put the torch backend back, or its steps would hand CPU tensors to GPU kernels."""
+    bench = load_bench()
+    saved = attention._backend
+    try:
+        attention.set_attention_backend(object())  # stands for a GPU engine's backend
+        bench.build_engine(bench.parse(["--tiny", "--device", "cpu"]), "bf16", max_batch_size=2, num_kv_blocks=16)
+        assert isinstance(attention._backend, attention.TorchAttentionBackend)
+    finally:
+        attention.set_attention_backend(saved)

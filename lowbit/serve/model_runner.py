@@ -31,7 +31,7 @@ class ModelRunner:
         if ckpt.kv_algo not in (None, "FP8"):
             raise ValueError(f"kv_cache_quant_algo {ckpt.kv_algo!r} is not supported (FP8 or none)")
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        gpu_attention = self.device.type == "cuda" and _use_gpu_attention()
+        gpu_attention = _use_gpu_attention(self.device.type == "cuda")
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         a = self.attn_layers[0]
         shape = (2, self.num_blocks, config.block_size, a.num_kv_heads, a.head_dim)
@@ -183,15 +183,19 @@ class BlockTables:
         return self.free.pop()
 
 
-def _use_gpu_attention() -> bool:
-    """Installs the Triton attention backend when Triton is there; returns whether it did."""
+def _use_gpu_attention(on_cuda: bool) -> bool:
+    """Installs the Triton attention backend for an engine on CUDA when Triton is there, else the torch one (the
+    backend is process-wide: a CPU engine built after a GPU one must not keep the GPU kernels); returns whether the
+    Triton backend is in."""
     from lowbit.kernels._triton import HAS_TRITON
-    from lowbit.serve.attention import set_attention_backend
-    from lowbit.serve.triton_attention import TritonAttentionBackend
+    from lowbit.serve.attention import TorchAttentionBackend, set_attention_backend
 
-    if HAS_TRITON:
-        set_attention_backend(TritonAttentionBackend())
-    return HAS_TRITON
+    if not (on_cuda and HAS_TRITON):
+        set_attention_backend(TorchAttentionBackend())
+        return False
+    from lowbit.serve.triton_attention import TritonAttentionBackend
+    set_attention_backend(TritonAttentionBackend())
+    return True
 
 
 def _available_ram() -> int:
