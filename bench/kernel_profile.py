@@ -5,7 +5,7 @@ per step, us per step and share of the step, and per group (GEMM, attention, nor
 The decode step is the captured graph's forward run eagerly on the graph's own input buffers, with every row
 attending to `context` keys in shuffled blocks, its new K/V written at position context - 1; kernel times are device times, so the
 host's launch cost does not enter. `python3 bench/kernel_profile.py [--format fp8] [--decode 256x200,512x1500]
-[--prefill 8192] [--json PATH]`
+[--prefill 8192x2048] [--mixed 300x2100+7600x1900] [--json PATH]`
 """
 import argparse
 import collections
@@ -108,6 +108,46 @@ def prefill_inputs(engine, batch: int, length: int):
     return torch.randint(0, r.model.config["vocab_size"], (n,), device=dev), ctx
 
 
+def mixed_inputs(engine, decodes: int, context: int, tokens: int, length: int):
+    """-> input ids and the StepContext of a mixed step as the scheduler builds one: `decodes` one-token sequences
+    (each attending to `context` keys) first, then tokens // length whole prompts of `length` tokens; every
+    sequence's blocks drawn at random from the pool."""
+    r, bs_ = engine.runner, engine.config.block_size
+    dev, prompts = r.device, tokens // length
+    per_dec, per_prompt = -(-context // bs_), -(-length // bs_)
+    need = decodes * per_dec + prompts * per_prompt
+    if need > r.num_blocks:
+        raise SystemExit(f"mixed {decodes}x{context}+{tokens}x{length}: needs {need} blocks, the pool has {r.num_blocks}")
+    ids = torch.randperm(r.num_blocks, device=dev)[:need].to(torch.int32)
+    width = -(-max(per_dec, per_prompt) // 16) * 16  # table rows padded to a multiple of 16 entries, as the engine's
+    tables = torch.zeros(decodes + prompts, width, dtype=torch.int32, device=dev)
+    if decodes:
+        tables[:decodes, :per_dec] = ids[:decodes * per_dec].view(decodes, per_dec)
+    tables[decodes:, :per_prompt] = ids[decodes * per_dec:].view(prompts, per_prompt)
+    dec_pos = torch.full((decodes,), context - 1, device=dev)
+    dec_slots = tables[:decodes, (context - 1) // bs_].long() * bs_ + (context - 1) % bs_
+    pos = torch.arange(length, device=dev)
+    prompt_slots = (tables[decodes:, pos // bs_].long() * bs_ + pos % bs_).reshape(-1)
+    qlens, clens = [1] * decodes + [length] * prompts, [context] * decodes + [length] * prompts
+    qsl = torch.tensor([0] + qlens, device=dev).cumsum(0).to(torch.int32)
+    ctx = StepContext(positions=torch.cat([dec_pos, pos.repeat(prompts)]),
+                      slot_mapping=torch.cat([dec_slots, prompt_slots]), query_start_loc=qsl,
+                      context_lens=torch.tensor(clens, dtype=torch.int32, device=dev), block_tables=tables,
+                      logits_indices=(qsl[1:] - 1).long(), is_decode=False, query_lens_cpu=qlens,
+                      context_lens_cpu=clens)
+    return torch.randint(0, r.model.config["vocab_size"], (decodes + tokens,), device=dev), ctx
+
+
+def mixed_step(engine, decodes: int, context: int, tokens: int, length: int):
+    model = engine.runner.model
+    ids, ctx = mixed_inputs(engine, decodes, context, tokens, length)
+
+    def step():
+        with torch.inference_mode():
+            model.compute_logits(model(ids, ctx)[ctx.logits_indices])
+    return step
+
+
 def prefill_step(engine, tokens: int, length: int):
     model = engine.runner.model
     ids, ctx = prefill_inputs(engine, tokens // length, length)
@@ -134,6 +174,8 @@ def main(argv=None) -> int:
     p.add_argument("--format", default="fp8")
     p.add_argument("--decode", default="1x512,256x200,512x1500", help="BATCHxCONTEXT,...")
     p.add_argument("--prefill", default="8192x128,8192x2048", help="TOKENSxPROMPT_LENGTH,... ('' for none)")
+    p.add_argument("--mixed", default="", help="DECODESxCONTEXT+TOKENSxPROMPT_LENGTH,...: mixed steps, decodes "
+                   "first (as 2048/128's steps: 300x2100+7600x1900)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--json")
@@ -144,8 +186,11 @@ def main(argv=None) -> int:
     cases, fills = pairs(p, "--decode", a.decode), pairs(p, "--prefill", a.prefill)
     if any(tokens % length for tokens, length in fills):
         p.error(f"--prefill {a.prefill}: TOKENS must be a multiple of PROMPT_LENGTH")
-    max_batch = max([b for b, _ in cases] + [1])
-    max_tokens = max([t for t, _ in fills] + [8192])
+    mixed = [pairs(p, "--mixed", spec.replace("+", ",")) for spec in filter(None, a.mixed.split(","))]
+    if any(len(m) != 2 or m[1][0] % m[1][1] for m in mixed):
+        p.error(f"--mixed {a.mixed}: expected DxC+TxL[,...] with TOKENS a multiple of PROMPT_LENGTH")
+    max_batch = max([b for b, _ in cases] + [d + t // n for (d, _), (t, n) in mixed] + [1])
+    max_tokens = max([t for t, _ in fills] + [d + t for (d, _), (t, _) in mixed] + [8192])
     engine = sb.build_engine(sb.parse(["--max-batch-size", str(max_batch), "--max-num-tokens", str(max_tokens)]),
                              a.format)
     out = []
@@ -155,6 +200,9 @@ def main(argv=None) -> int:
     for tokens, length in fills:
         out.append(summarize(f"{a.format} prefill {tokens // length} x {length} tokens",
                              profile(prefill_step(engine, tokens, length), a.steps), a.top))
+    for dec, pre in mixed:
+        out.append(summarize(f"{a.format} mixed step: {dec[0]} decodes of context {dec[1]} + {pre[0] // pre[1]} x "
+                             f"{pre[1]} prompt tokens", profile(mixed_step(engine, *dec, *pre), a.steps), a.top))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0

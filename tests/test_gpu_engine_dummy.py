@@ -93,3 +93,21 @@ def test_cpu_engine_installs_the_torch_attention_backend():
         assert isinstance(attention._backend, attention.TorchAttentionBackend)
     finally:
         attention.set_attention_backend(saved)
+
+
+def test_kernel_profile_mixed_step_prompts_match_the_prompts_alone():
+    """bench/kernel_profile.py's mixed step (decodes first, then whole prompts, as the scheduler orders them): the
+    prompts' logits equal those of the same prompts in a prefill-only step, so the step's positions, slots and
+    query offsets are the engine's."""
+    kp, bench = load_script("kernel_profile.py"), load_bench()
+    engine = bench.build_engine(bench.parse(["--tiny", "--device", "cpu"]), "bf16", max_batch_size=8,
+                                max_num_tokens=128, num_kv_blocks=256)
+    model = engine.runner.model
+    ids, ctx = kp.mixed_inputs(engine, 3, 40, 64, 32)
+    assert ctx.query_lens_cpu == [1, 1, 1, 32, 32] and ctx.context_lens_cpu == [40, 40, 40, 32, 32]
+    assert len(set(ctx.slot_mapping.tolist())) == len(ids)  # every new token's K/V has its own slot
+    _, alone_ctx = kp.prefill_inputs(engine, 2, 32)
+    with torch.inference_mode():
+        mixed = model.compute_logits(model(ids, ctx)[ctx.logits_indices])[3:]
+        alone = model.compute_logits(model(ids[3:], alone_ctx)[alone_ctx.logits_indices])
+    torch.testing.assert_close(mixed, alone, rtol=1e-4, atol=1e-4)
