@@ -178,17 +178,24 @@ def _kv_tile(kv_ptr, bt_ptr, bt_row, offs_n, mask_n, kvh, offs_d, half_stride, H
 
 
 @helper
+def _online_softmax(s, m, l):
+    """Scores s [M, N] (log2 domain), running max m [M] and sum l [M] -> new m, alpha [M] (the factor on what was
+    accumulated so far), P = 2^(s - m) [M, N], new l."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, alpha, p, l * alpha + tl.sum(p, 1)
+
+
+@helper
 def _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr):
     """q [M, D], k/v [N, D], valid [M, N] (if MASKED) -> updated running max m [M], sum l [M], acc [M, D] (fp32)."""
     s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
     if MASKED:
         s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
+    m, alpha, p, l = _online_softmax(s, m, l)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)) * v_scale
-    return m_new, l, acc
+    return m, l, acc
 
 
 @helper

@@ -11,8 +11,8 @@ from typing import NamedTuple
 import torch
 
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl
-from lowbit.kernels.paged_attention import (LOG2E, _block_ids, _kv_blocks, _kv_tile, _output, _scale_tensor,
-                                            block_gather_fits)
+from lowbit.kernels.paged_attention import (LOG2E, _block_ids, _kv_blocks, _kv_tile, _online_softmax, _output,
+                                            _scale_tensor, block_gather_fits)
 
 
 class PrefillTiles(NamedTuple):
@@ -77,15 +77,12 @@ def _step(q, k, v, valid, m, l, acc, s_scale, v_scale, MASKED: tl.constexpr, F8Q
         pv_dtype: tl.constexpr = q.dtype
     if MASKED:
         s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
+    m, alpha, p, l = _online_softmax(s, m, l)
     if DOT_ACC:
         acc = tl.dot(p.to(pv_dtype), v.to(pv_dtype), acc * alpha[:, None])
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(pv_dtype), v.to(pv_dtype)) * v_scale
-    return m_new, l, acc
+    return m, l, acc
 
 
 @kernel
