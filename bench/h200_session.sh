@@ -4,6 +4,7 @@
 #   bash bench/h200_session.sh serve    # lowbit bench serve, FP8: batch 1, maximum load at batch 1024 and 512, extras
 #   bash bench/h200_session.sh formats  # lowbit bench serve: bf16, int4_awq, nvfp4 and the HF baseline
 #   bash bench/h200_session.sh trt      # FP8 2048/128 and 1000/1000 with TRT-LLM's request counts (3000 each)
+#   bash bench/h200_session.sh prefill  # prefill tiles inside whole steps (mixed and prefill), SM clock and power
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -48,8 +49,22 @@ trt)
     timeout 540 python3 bench/serve_bench.py --formats fp8 --phases formats,extra --max-batch-size 1024 \
         --extra 2048/128/3000,1000/1000/3000 --deadline-s 300 --json "$OUT/serve_trt.json" 2>&1 | grep -E '^\['
     ;;
+prefill)
+    part "engine vs previous prefill tiles in a mixed step and a prefill step; SM clock / power every 100 ms"
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv -lms 100 > "$OUT/clocks.csv" &
+    smi=$!
+    timeout 200 python3 bench/prefill_tiles_engine.py 2>&1 | grep -E '^\||Error'
+    kill $smi
+    part "SM clock while the card drew > 300 W"
+    awk -F', ' 'NR > 1 && $3 + 0 > 300 {n++; c += $2 + 0; if (min == "" || $2 + 0 < min) min = $2 + 0}
+        END {if (n) printf "%d samples: mean %.0f MHz, min %d MHz\n", n, c / n, min; else print "no loaded samples"}' \
+        "$OUT/clocks.csv"
+    part "where 2048/128's steps go (device spans of the slow ones)"
+    timeout 150 python3 bench/step_profile.py --max-batch-size 512 --requests 512 --isl 2048 --osl 128 \
+        --overlap on --slow-ms 190 2>&1 | tail -20
+    ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill" >&2
     exit 2
     ;;
 esac

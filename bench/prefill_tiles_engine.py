@@ -29,10 +29,12 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         p.error("needs an NVIDIA GPU (CUDA)")
     kp, sb = load_script("kernel_profile.py"), load_script("serve_bench.py")
-    (dec, ctx), (tokens, length) = kp.pairs(p, "--mixed", a.mixed.replace("+", ","))
-    fill_tokens, fill_length = kp.pairs(p, "--prefill", a.prefill)[0]
-    if tokens % length or fill_tokens % fill_length:
-        p.error("TOKENS must be a multiple of PROMPT_LENGTH")
+    mixed, fill = kp.pairs(p, "--mixed", a.mixed.replace("+", ",")), kp.pairs(p, "--prefill", a.prefill)
+    if len(mixed) != 2 or len(fill) != 1 or mixed[1][0] % mixed[1][1] or fill[0][0] % fill[0][1]:
+        p.error("expected --mixed DECODESxCONTEXT+TOKENSxPROMPT_LENGTH and --prefill TOKENSxPROMPT_LENGTH, TOKENS a "
+                "multiple of PROMPT_LENGTH")
+    (dec, ctx), (tokens, length) = mixed
+    (fill_tokens, fill_length), = fill
     engine = sb.build_engine(sb.parse(["--max-batch-size", str(dec + tokens // length), "--max-num-tokens",
                                        str(max(dec + tokens, fill_tokens))]), a.format)
     steps = {f"mixed {a.mixed}": kp.mixed_step(engine, dec, ctx, tokens, length),
