@@ -12,7 +12,7 @@ import torch
 
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl
 from lowbit.kernels.paged_attention import (LOG2E, _block_ids, _kv_blocks, _kv_tile, _online_softmax, _output,
-                                            _scale_tensor, block_gather_fits)
+                                            _scale_tensor, _softmax_step, block_gather_fits)
 
 
 class PrefillTiles(NamedTuple):
@@ -23,7 +23,6 @@ class PrefillTiles(NamedTuple):
     blocks: bool = False  # K/V gathered block by block (as paged_attention's decode), else row by row
     dot_acc: bool = False  # P.V accumulates inside the dot (acc * alpha as its accumulator), V's scale once at the end
     heavy_first: bool = False  # grid (kv head, seq, tile) with the last token tiles (most keys) launched first
-    fp8_qk: bool = False  # FP8 KV: q quantized to e4m3 per row (amax / 448), S = q8.K^T on FP8 tensor cores
 
 
 # By (FP8 cache, longest new sequence > 256 tokens). H200 sweeps at Llama-8B heads, shuffled block tables
@@ -35,7 +34,8 @@ class PrefillTiles(NamedTuple):
 #   (64, 64, 8, 3) acc heavy   381           168         113        |     477          211         114
 #   (32, 64, 4, 3) acc heavy   403           174         117        |     473          209         108
 # M = 256 rows (64 tokens x 4 heads) needs dot_acc: without it FP8 took 770 us. The block-wise gather wins only for
-# bf16 KV and short prompts. fp8_qk (bench only: ~10x the FP8 cache's error) 407 us at 4x2048/2048.
+# bf16 KV and short prompts. S = q8.K^T on FP8 tensor cores (q quantized per row) took 407 us at 4x2048/2048 for ~10x
+# the FP8 cache's error: not adopted (experiments/prefill-fp8-qk.mbox).
 CONFIG = {(False, False): PrefillTiles(16, 64, 4, 3, blocks=True),
           (False, True): PrefillTiles(64, 64, 8, 3, dot_acc=True, heavy_first=True),
           (True, False): PrefillTiles(32, 64, 4, 3, dot_acc=True, heavy_first=True),
@@ -55,33 +55,17 @@ def _tile(kv_ptr, bt_ptr, bt_row, n0, end, kvh, offs_d, half_stride, HKD: tl.con
 
 
 @helper
-def _quantize_rows(q):
-    """q [M, D] -> q8 [M, D] e4m3, scale [M] fp32 with q ~ q8 * scale (per-row amax / 448; all-zero rows: 1)."""
-    qf = q.to(tl.float32)
-    amax = tl.max(tl.abs(qf), 1)
-    scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    q8 = tl.minimum(tl.maximum(qf * (1.0 / scale)[:, None], -448.0), 448.0).to(tl.float8e4nv)
-    return q8, scale
-
-
-@helper
-def _step(q, k, v, valid, m, l, acc, s_scale, v_scale, MASKED: tl.constexpr, F8QK: tl.constexpr,
-          DOT_ACC: tl.constexpr):
-    """Online-softmax step over one K/V tile [N, D]; q [M, D] (e4m3 with F8QK, s_scale [M]; else scalar s_scale).
-    DOT_ACC: acc holds sum P.V without V's scale (applied by the caller at the end)."""
-    if F8QK:
-        s = tl.dot(q, tl.trans(k)) * s_scale[:, None]
-        pv_dtype: tl.constexpr = tl.float16
-    else:
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * s_scale
-        pv_dtype: tl.constexpr = q.dtype
-    if MASKED:
-        s = tl.where(valid, s, float("-inf"))
-    m, alpha, p, l = _online_softmax(s, m, l)
+def _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr, DOT_ACC: tl.constexpr):
+    """Online-softmax step over one K/V tile [N, D] for q [M, D]. DOT_ACC: acc holds sum P.V without V's scale
+    (applied by the caller at the end), else as paged_attention's _softmax_step."""
     if DOT_ACC:
-        acc = tl.dot(p.to(pv_dtype), v.to(pv_dtype), acc * alpha[:, None])
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+        if MASKED:
+            s = tl.where(valid, s, float("-inf"))
+        m, alpha, p, l = _online_softmax(s, m, l)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(pv_dtype), v.to(pv_dtype)) * v_scale
+        m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED)
     return m, l, acc
 
 
@@ -89,10 +73,10 @@ def _step(q, k, v, valid, m, l, acc, s_scale, v_scale, MASKED: tl.constexpr, F8Q
 def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_ptr, qk_scale, bt_stride,
                     half_stride, HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                     D: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                    FP8: tl.constexpr, QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr, DOT_ACC: tl.constexpr = False,
-                    HEAVY_FIRST: tl.constexpr = False, F8QK: tl.constexpr = False):
+                    FP8: tl.constexpr, QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr, DOT_ACC: tl.constexpr,
+                    HEAVY_FIRST: tl.constexpr):
     """Program (token tile, b, kv head), or with HEAVY_FIRST (kv head, b, last tile first): rows = BLOCK_T new tokens
-    x the G query heads of KV head kvh. DOT_ACC, F8QK: PrefillTiles.dot_acc, fp8_qk."""
+    x the G query heads of KV head kvh. DOT_ACC: PrefillTiles.dot_acc."""
     M: tl.constexpr = BLOCK_T * GP
     if HEAVY_FIRST:
         kvh = tl.program_id(0)
@@ -115,16 +99,11 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_
     rows = (q_start + tok).to(tl.int64) * HQ + kvh * G + offs_r % GP
     offs_d = tl.arange(0, D)
     q = tl.load(q_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_r[:, None], other=0.0)
-    v_scale = 1.0
-    s_scale = qk_scale
-    if FP8:  # FP8 K/V become fp16 (exact), so q and P run in fp16; or (F8QK) q8 [M, D] e4m3, s_scale [M]
-        v_scale = tl.load(vs_ptr)
-        if F8QK:
-            q, q_scale = _quantize_rows(q)
-            s_scale = q_scale * (qk_scale * tl.load(ks_ptr))
-        else:
-            q = q.to(tl.float16)
-            s_scale = qk_scale * tl.load(ks_ptr)
+    k_scale, v_scale = 1.0, 1.0
+    if FP8:  # FP8 K/V become fp16 (exact), so q and P run in fp16
+        k_scale, v_scale = tl.load(ks_ptr), tl.load(vs_ptr)
+        q = q.to(tl.float16)
+    qk_scale = qk_scale * k_scale
     m = tl.full([M], float("-inf"), tl.float32)
     l = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
@@ -133,12 +112,12 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_
     bt_row = b * bt_stride
     for n0 in range(0, full_end, BLOCK_N):
         k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, full_end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS)
-        m, l, acc = _step(q, k, v, None, m, l, acc, s_scale, v_scale, False, F8QK, DOT_ACC)
+        m, l, acc = _step(q, k, v, None, m, l, acc, qk_scale, v_scale, False, DOT_ACC)
     for n0 in range(full_end, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS)
         valid = (offs_n[None, :] < end) & (offs_n[None, :] <= pos[:, None])
-        m, l, acc = _step(q, k, v, valid, m, l, acc, s_scale, v_scale, True, F8QK, DOT_ACC)
+        m, l, acc = _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, True, DOT_ACC)
     if DOT_ACC:
         o = acc * (v_scale / l)[:, None]
     else:
@@ -162,14 +141,12 @@ def paged_prefill(q, kv_cache, query_start_loc, context_lens, block_tables, max_
     tiles = PrefillTiles(*(config or CONFIG[fp8, max_query_len > 256]))
     block_t = max(tiles.block_t, 16 // gp)  # tl.dot needs >= 16 rows
     blocks = tiles.blocks and block_gather_fits(tiles.block_n, bs)
-    if tiles.fp8_qk and not fp8:
-        raise ValueError("PrefillTiles.fp8_qk needs an FP8 KV cache")
     grid = (cdiv(max_query_len, block_t), block_tables.shape[0], hk)
     if tiles.heavy_first:
         grid = grid[::-1]
     _prefill_kernel[grid](q, kv_cache, block_tables, query_start_loc, context_lens, ks, vs, os_, out, scale * LOG2E,
                           block_tables.stride(0), kv_cache.stride(0), HQ=hq, HKD=hk * d, G=g, GP=gp, D=d, BS=bs,
                           BLOCK_T=block_t, BLOCK_N=tiles.block_n, FP8=fp8, QUANT_OUT=out_scale is not None,
-                          BLOCKS=blocks, DOT_ACC=tiles.dot_acc, HEAVY_FIRST=tiles.heavy_first, F8QK=tiles.fp8_qk,
+                          BLOCKS=blocks, DOT_ACC=tiles.dot_acc, HEAVY_FIRST=tiles.heavy_first,
                           num_warps=tiles.warps, num_stages=tiles.stages)
     return out
