@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lowbit.bench_cli import load_script  # noqa: E402
+from lowbit.bench_cli import int_pairs, load_script  # noqa: E402
 from lowbit.kernels import paged_attention as pa  # noqa: E402
 from lowbit.kernels.paged_attention import DecodeVariant  # noqa: E402
 
@@ -49,10 +49,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         p.error("needs an NVIDIA GPU (CUDA)")
     tiles = load_script("attention_tiles.py")
-    try:
-        cases = [tuple(int(v) for v in c.split("x")) for c in a.cases.split(",")]
-    except ValueError:
-        p.error(f"--cases {a.cases!r}: expected BATCHxCONTEXT,...")
+    cases = int_pairs(p, "--cases", a.cases)
     one, rows = torch.ones((), device="cuda"), []
     for batch, ctx in cases:
         cache, tables, lens = tiles.paged_cache(torch.float8_e4m3fn, batch, ctx)
@@ -70,7 +67,6 @@ def main(argv=None) -> int:
                 row["GB_s"] = round(nbytes / row["us"] / 1e3)
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del cache, tables
     names = ["engine"] + list(PAIRED)
     print("\n| case | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 1))
     for c in dict.fromkeys(r["case"] for r in rows):

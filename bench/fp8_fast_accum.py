@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.bench_cli import load_script
+from lowbit.bench_cli import int_list, load_script
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # K, N
 
@@ -50,10 +50,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print(f"{Path(__file__).name} needs a CUDA GPU", file=sys.stderr)
         return 2
-    try:
-        ms = [int(v) for v in args.m.split(",")]
-    except ValueError:
-        p.error(f"--m takes comma-separated integers, got {args.m!r}")
+    ms = int_list(p, "--m", args.m)
     kb = load_script("kernels.py")
     rows = []
     print("| shape | M | exact us | fast us | speedup | rel. err exact | rel. err fast |")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lowbit.bench_cli import load_script  # noqa: E402
+from lowbit.bench_cli import int_pairs, load_script  # noqa: E402
 from lowbit.serve.context import StepContext  # noqa: E402
 
 GROUPS = (  # (group, substrings of the kernel name), first match wins
@@ -158,17 +158,6 @@ def prefill_step(engine, tokens: int, length: int):
     return step
 
 
-def pairs(parser, flag: str, text: str) -> list[tuple[int, int]]:
-    """'AxB,CxD' -> [(A, B), (C, D)] of positive ints; anything else is a usage error (one line, exit 2)."""
-    try:
-        out = [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
-    except ValueError:
-        out = None
-    if out is None or any(len(t) != 2 or min(t) <= 0 for t in out):
-        parser.error(f"{flag} {text!r}: expected AxB[,CxD...] with positive integers")
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--format", default="fp8")
@@ -183,10 +172,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         p.error("needs an NVIDIA GPU (CUDA)")
     sb = load_script("serve_bench.py")
-    cases, fills = pairs(p, "--decode", a.decode), pairs(p, "--prefill", a.prefill)
+    cases, fills = int_pairs(p, "--decode", a.decode), int_pairs(p, "--prefill", a.prefill)
     if any(tokens % length for tokens, length in fills):
         p.error(f"--prefill {a.prefill}: TOKENS must be a multiple of PROMPT_LENGTH")
-    mixed = [pairs(p, "--mixed", spec.replace("+", ",")) for spec in filter(None, a.mixed.split(","))]
+    mixed = [int_pairs(p, "--mixed", spec.replace("+", ",")) for spec in filter(None, a.mixed.split(","))]
     if any(len(m) != 2 or m[1][0] % m[1][1] for m in mixed):
         p.error(f"--mixed {a.mixed}: expected DxC+TxL[,...] with TOKENS a multiple of PROMPT_LENGTH")
     max_batch = max([b for b, _ in cases] + [d + t // n for (d, _), (t, n) in mixed] + [1])

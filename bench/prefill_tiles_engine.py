@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lowbit.bench_cli import load_script  # noqa: E402
+from lowbit.bench_cli import int_pairs, load_script  # noqa: E402
 from lowbit.kernels import paged_prefill as pp  # noqa: E402
 
 PREVIOUS = {(False, False): pp.PrefillTiles(16, 64, 4, 3, blocks=True), (False, True): pp.PrefillTiles(16, 64, 4, 3),
@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         p.error("needs an NVIDIA GPU (CUDA)")
     kp, sb = load_script("kernel_profile.py"), load_script("serve_bench.py")
-    mixed, fill = kp.pairs(p, "--mixed", a.mixed.replace("+", ",")), kp.pairs(p, "--prefill", a.prefill)
+    mixed, fill = int_pairs(p, "--mixed", a.mixed.replace("+", ",")), int_pairs(p, "--prefill", a.prefill)
     if len(mixed) != 2 or len(fill) != 1 or mixed[1][0] % mixed[1][1] or fill[0][0] % fill[0][1]:
         p.error("expected --mixed DECODESxCONTEXT+TOKENSxPROMPT_LENGTH and --prefill TOKENSxPROMPT_LENGTH, TOKENS a "
                 "multiple of PROMPT_LENGTH")

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import triton
 
+from lowbit.bench_cli import int_list
 from lowbit.kernels import activation
 
 CONFIGS = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (512, 2), (1024, 2))
@@ -38,10 +39,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print(f"{Path(__file__).name} needs a CUDA GPU", file=sys.stderr)
         return 2
-    try:
-        ms = [int(v) for v in args.m.split(",")]
-    except ValueError:
-        p.error(f"--m takes comma-separated integers, got {args.m!r}")
+    ms = int_list(p, "--m", args.m)
     rows = []
     print("| M | out | " + " | ".join(f"{b}x{w}w" for b, w in CONFIGS) + " |")
     print("|---|---|" + "---|" * len(CONFIGS))

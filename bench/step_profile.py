@@ -35,40 +35,46 @@ def composition(batch) -> str:
             f"{max(chunks, default=0)})")
 
 
+def recording(schedule, scheduled: list):
+    """schedule, appending each batch's composition to `scheduled` (outside the timed call)."""
+    def wrapper():
+        batch = schedule()
+        scheduled.append(composition(batch))
+        return batch
+    return wrapper
+
+
+def evented(launch, spans: dict, step_no: list):
+    """launch, with CUDA events recorded before and after it into spans[step_no[0]]: the device's time from the
+    step's first kernel to its last, idle gaps included."""
+    def wrapper(batch):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = launch(batch)
+        end.record()
+        spans[step_no[0]] = (start, end)
+        return out
+    return wrapper
+
+
 def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0.0) -> dict:
     """All requests at once; per step wall time, of which waiting for the device, scheduling, launching (and
     within launching: building the inputs, the graph replay call, queuing the sampler). GPU engines only.
     slow_ms > 0: also lists the steps slower than that, with what they and the step before scheduled (with
     overlapped steps a step's wall time is mostly the device time of the step launched before it)."""
     totals = collections.Counter()
-    scheduled = []
-    schedule_fn = engine.scheduler.schedule
-
-    def recording_schedule():
-        batch = schedule_fn()
-        scheduled.append(composition(batch))
-        return batch
     in_flight_results = engine_module.InFlight.results
     engine_module.InFlight.results = timed(in_flight_results, totals, "wait")
     schedule, launch = engine.scheduler.schedule, engine._launch
     graphs = engine.runner.graphs  # None on the CPU (a plumbing check only)
     prepare, replay, sample = engine.runner.prepare, graphs and graphs.run, engine.sampler.sample
-    engine.scheduler.schedule = timed(recording_schedule, totals, "schedule")
-    timed_launch = timed(launch, totals, "launch")  # of which:
-    on_gpu = engine.runner.device.type == "cuda"
-    device_spans = {}  # step -> CUDA events before and after its launch: the device's time from its first
-    current = [0]      # kernel's start to its last one's end, idle gaps included
-
-    def evented_launch(batch):
-        if not on_gpu:
-            return timed_launch(batch)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = timed_launch(batch)
-        end.record()
-        device_spans[current[0]] = (start, end)
-        return out
-    engine._launch = evented_launch
+    engine.scheduler.schedule = timed(schedule, totals, "schedule")
+    engine._launch = timed(launch, totals, "launch")  # of which:
+    scheduled, spans, step_no = [], {}, [0]  # with slow_ms: per step what it scheduled, CUDA events around its launch
+    if slow_ms:
+        engine.scheduler.schedule = recording(engine.scheduler.schedule, scheduled)
+        if engine.runner.device.type == "cuda":
+            engine._launch = evented(engine._launch, spans, step_no)
     engine.runner.prepare = timed(prepare, totals, "launch.prepare")
     if graphs:
         graphs.run = timed(replay, totals, "launch.graph_replay")
@@ -81,7 +87,7 @@ def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0
         histogram, steps, start, slow = collections.Counter(), 0, time.perf_counter(), []
         while engine.has_unfinished():
             step_start = time.perf_counter()
-            current[0] = steps
+            step_no[0] = steps
             engine.step()
             ms = 1e3 * (time.perf_counter() - step_start)
             histogram[2 * round(ms / 2)] += 1  # 2 ms buckets
@@ -90,9 +96,9 @@ def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0
                              "before": scheduled[-2] if len(scheduled) > 1 else "-"})
             steps += 1
         total = time.perf_counter() - start
-        if on_gpu:
+        if spans:
             torch.cuda.synchronize()
-        device_ms = {k: round(a.elapsed_time(b), 1) for k, (a, b) in device_spans.items()}
+        device_ms = {k: round(a.elapsed_time(b), 1) for k, (a, b) in spans.items()}  # device time of launch k
         for row in slow:
             row["device_ms"] = {k: device_ms.get(row["step"] + k) for k in (-1, 0)}
     finally:

@@ -39,3 +39,24 @@ def load_script(filename: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def int_list(parser, flag: str, text: str) -> list[int]:
+    """'1,16,64' -> [1, 16, 64] of positive ints (for a benchmark's flag); anything else is a usage error (one line,
+    exit 2)."""
+    return [t[0] for t in _int_tuples(parser, flag, text, 1, "N[,N...]")]
+
+
+def int_pairs(parser, flag: str, text: str) -> list[tuple[int, int]]:
+    """'AxB,CxD' -> [(A, B), (C, D)] of positive ints; anything else is a usage error (one line, exit 2)."""
+    return _int_tuples(parser, flag, text, 2, "AxB[,CxD...]")
+
+
+def _int_tuples(parser, flag: str, text: str, width: int, form: str) -> list[tuple[int, ...]]:
+    try:
+        out = [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+    except ValueError:
+        out = None
+    if out is None or any(len(t) != width or min(t) <= 0 for t in out):
+        parser.error(f"{flag} {text!r}: expected {form} with positive integers")
+    return out

@@ -111,3 +111,35 @@ def test_kernel_profile_mixed_step_prompts_match_the_prompts_alone():
         mixed = model.compute_logits(model(ids, ctx)[ctx.logits_indices])[3:]
         alone = model.compute_logits(model(ids[3:], alone_ctx)[alone_ctx.logits_indices])
     torch.testing.assert_close(mixed, alone, rtol=1e-4, atol=1e-4)
+
+
+def test_step_profile_lists_slow_steps_with_their_batches():
+    """bench/step_profile.py --slow-ms: every step over the bar is listed with what it scheduled; on the tiny CPU
+    engine (a bar of 0 ms lists them all) the listed prompt chunks add up to every prompt token, decodes first."""
+    import re
+
+    sp, bench = load_script("step_profile.py"), load_bench()
+    engine = bench.build_engine(bench.parse(["--tiny", "--device", "cpu"]), "bf16", max_batch_size=8,
+                                max_num_tokens=64, num_kv_blocks=256)
+    res = sp.run(engine, 6, 48, 3, seed=1, slow_ms=1e-9)
+    assert [row["step"] for row in res["slow_steps"]] == list(range(res["steps"]))
+    parts = [re.fullmatch(r"(\d+) decodes \+ (\d+) prompt chunks \((\d+) tokens, longest (\d+)\)", row["this"])
+             for row in res["slow_steps"]]
+    assert parts[0].groups() == ("0", "2", "64", "48")  # 64-token budget: one whole prompt and 16 of the next
+    assert sum(int(m.group(3)) for m in parts) == 6 * 48
+    assert all(row["before"] == prev["this"] for prev, row in zip(res["slow_steps"], res["slow_steps"][1:]))
+
+
+def test_bench_list_flags_take_positive_ints_or_exit_2(capsys):
+    """The benchmarks' list flags (bench_cli.int_list / int_pairs): the parsed values, or one usage line and exit 2."""
+    import argparse
+
+    from lowbit.bench_cli import int_list, int_pairs
+
+    p = argparse.ArgumentParser(prog="bench")
+    assert int_list(p, "--m", "1,16,4096") == [1, 16, 4096]
+    assert int_pairs(p, "--decode", "1x512,256x200") == [(1, 512), (256, 200)]
+    for parse, text in ((int_list, "1,x"), (int_list, "0"), (int_pairs, "2x3x4"), (int_pairs, "2x-3")):
+        with pytest.raises(SystemExit) as e:
+            parse(p, "--flag", text)
+        assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].startswith("bench: error: --flag")
