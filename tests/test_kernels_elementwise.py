@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
 from lowbit.kernels.norm import rms_norm_ref, rms_norm_triton  # noqa: E402
-from lowbit.kernels.rotary import rotary_qk_ref, rotary_qk_triton, rotary_ref, rotary_triton  # noqa: E402
+from lowbit.kernels.rotary import rotary_qk_ref, rotary_ref, rotary_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the deferred-scale tests run on the GPU too
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not interpreting(),
@@ -77,21 +77,17 @@ def test_rotary_matches_reference_with_flat_and_3d_heads():
     assert rel_err(q_out, q_ref) < 2e-3 and rel_err(k_out, k_ref) < 2e-3
 
 
-@interpreter_only
-def test_rotary_qk_reads_strided_qkv_rows_in_one_launch():
+def test_rotary_qk_ref_reads_q_k_v_from_the_fused_rows():
     g = torch.Generator().manual_seed(4)
     t, hq, hk, d = 5, 6, 2, 32
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).half()  # q | k | v per row, as the fused projection writes
     pos = torch.randint(0, 64, (t,), generator=g)
     cache = _cos_sin_cache(64, d)
-    q_out, k_out, v_out = rotary_qk_triton(qkv, hq, hk, pos, cache)
     q_ref, k_ref, v_ref = rotary_qk_ref(qkv, hq, hk, pos, cache)
-    assert q_out.shape == (t, hq * d) and k_out.shape == (t, hk * d)
-    assert rel_err(q_out, q_ref) < 2e-3 and rel_err(k_out, k_ref) < 2e-3
+    assert q_ref.shape == (t, hq * d) and k_ref.shape == (t, hk * d)
     q_sep, k_sep = rotary_ref(qkv[:, :hq * d].contiguous(), qkv[:, hq * d:(hq + hk) * d].contiguous(), pos, cache)
     assert torch.equal(q_ref, q_sep) and torch.equal(k_ref, k_sep)
-    v_cols = qkv[:, (hq + hk) * d:]
-    assert torch.equal(v_out, v_cols) and torch.equal(v_ref, v_cols)
+    assert torch.equal(v_ref, qkv[:, (hq + hk) * d:])
 
 
 def _qkv_with_deferred_scales(g, t, hq, hk, d, dtype):
@@ -117,21 +113,6 @@ def test_rotary_qk_part_scales_reference_equals_scaled_float_rotation():
         rotated = x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1) * sin
         assert torch.allclose(out, rotated.reshape(t, -1), atol=1e-5)
     assert torch.allclose(v, true[:, (hq + hk) * d:], atol=1e-5) and v.is_contiguous()
-
-
-def test_rotary_qk_part_scales_kernel_matches_reference():
-    g = torch.Generator().manual_seed(7)
-    t, hq, hk, d = 5, 6, 2, 32
-    _, qkv, scales = _qkv_with_deferred_scales(g, t, hq, hk, d, torch.float16)
-    pos = torch.randint(0, 64, (t,), generator=g).to(DEVICE)
-    qkv, scales, cache = qkv.to(DEVICE), scales.to(DEVICE), _cos_sin_cache(64, d).to(DEVICE)
-    out = rotary_qk_triton(qkv, hq, hk, pos, cache, scales)
-    ref = rotary_qk_ref(qkv, hq, hk, pos, cache, scales)
-    for o, r, n in zip(out, ref, [hq, hk, hk]):
-        assert o.shape == (t, n * d) and o.dtype == qkv.dtype and o.is_contiguous()
-        assert rel_err(o, r) < 2e-3
-    unscaled = rotary_qk_ref(qkv, hq, hk, pos, cache)
-    assert rel_err(out[1], unscaled[1]) > 0.5 and rel_err(out[2], unscaled[2]) > 0.5  # the ratios were applied
 
 
 @interpreter_only

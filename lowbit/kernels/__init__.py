@@ -5,7 +5,7 @@ The serving engine calls only what is exported here; see docs/kernels_notes.md f
 from lowbit.kernels.activation import silu_and_mul, silu_and_mul_ref
 from lowbit.kernels.qlinear import PreparedLinear, linear, linear_ref, prepare_linear
 from lowbit.kernels.norm import rms_norm, rms_norm_ref
-from lowbit.kernels.rotary import rotary, rotary_qk, rotary_qk_ref, rotary_ref
+from lowbit.kernels.rotary import rotary, rotary_qk_ref, rotary_ref
 
 __all__ = ["PreparedLinear", "prepare_linear", "linear", "linear_ref", "rms_norm", "rms_norm_ref",
-           "rotary", "rotary_ref", "rotary_qk", "rotary_qk_ref", "silu_and_mul", "silu_and_mul_ref"]
+           "rotary", "rotary_ref", "rotary_qk_ref", "silu_and_mul", "silu_and_mul_ref"]

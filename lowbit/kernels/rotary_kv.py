@@ -1,8 +1,8 @@
 """Rotary fused into the paged KV store: one launch reads the fused QKV rows, returns rotated q and writes rotated k
-and v into the cache, instead of rotary_qk's launch followed by store_kv's.
+and v into the cache, instead of a rotary launch followed by store_kv's.
 
 qkv [T, >= (Hq+2Hk)*D] (q's heads, k's, then v's at the start of each row; rows may be strided); positions [T];
-cos_sin_cache [max_pos, D]; part_scales fp32 [3] or None (see rotary_qk); kv_cache [2, blocks, block_size, Hk, D]
+cos_sin_cache [max_pos, D]; part_scales fp32 [3] or None (see rotary_qk_ref); kv_cache [2, blocks, block_size, Hk, D]
 in the model dtype or float8_e4m3fn (k / k_scale, v / v_scale); slot_mapping [T], slots < 0 skipped.
 The stored values are rounded as store_kv_ref(rotary_qk_ref(...)) rounds them: k rotated and rounded to the model
 dtype first, then (FP8) / k_scale in fp32 (as a product with 1 / k_scale: one fp32 rounding apart), clamped to

@@ -111,7 +111,7 @@ class Attention(nn.Module):
         return self._attend(q, ctx, out_scale)
 
     def forward_qkv(self, qkv, cos_sin_cache, part_scales, ctx: StepContext, out_scale=None) -> torch.Tensor:
-        """qkv [T, >= (Hq+2Hk)*D], the fused projection's rows (part_scales: fp32 [3] or None, see rotary_qk) ->
+        """qkv [T, >= (Hq+2Hk)*D], the fused projection's rows (part_scales: fp32 [3] or None, see rotary_qk_ref) ->
         [T, Hq*D] as forward gives: rotary and the K/V store in one backend call."""
         q = _backend.rotary_store_kv(qkv, self.num_heads, self.num_kv_heads, ctx.positions, cos_sin_cache,
                                      part_scales, self.kv_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
