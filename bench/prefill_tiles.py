@@ -74,7 +74,11 @@ def main(argv=None) -> int:
         kv_dtypes = [{"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[k] for k in a.kv.split(",")]
         cases = CASES if not a.cases else [tuple(int(v) for v in c.replace("/", "x").split("x"))
                                            for c in a.cases.split(",")]
+        if any(len(c) != 3 or min(c) <= 0 or c[1] > c[2] for c in cases):
+            raise ValueError("a case is SEQSxNEW/CONTEXT, positive, NEW <= CONTEXT")
         chosen = None if not a.configs else [ast.literal_eval(c.strip()) for c in a.configs.split(";")]
+        if chosen and not all(c is None or (isinstance(c, tuple) and 4 <= len(c) <= 7) for c in chosen):
+            raise ValueError("each config is None or a PrefillTiles tuple of 4 to 7 fields")
     except (KeyError, ValueError, SyntaxError) as e:
         p.error(f"bad --kv / --cases / --configs: {e}")
     rows = []
