@@ -1,7 +1,9 @@
 """Where a maximum-load run spends its steps (dummy Llama-3.1-8B, 1024 x 128/128 by default): a histogram of step
 wall times, and per step the host's own time against the time it waits for the device's sampled tokens. With
 overlapped steps the host works while the device computes, so a step that waits ~0 ms is host-bound and one that
-waits is device-bound. GPU only: `python3 bench/step_profile.py [--format fp8] [--max-batch-size 512]`."""
+waits is device-bound. GPU only: `python3 bench/step_profile.py [--format fp8] [--max-batch-size 512]`.
+`--trace 40:46` also records the device's kernels of those steps (torch.profiler) and lists where the device sat
+idle between them, with the kernels on either side of each gap."""
 import argparse
 import collections
 import gc
@@ -57,11 +59,45 @@ def evented(launch, spans: dict, step_no: list):
     return wrapper
 
 
-def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0.0) -> dict:
+def device_gaps(intervals: list, top: int = 8) -> dict:
+    """intervals [(start_us, end_us, name)] of device activity -> the span from the first start to the last end,
+    the time some activity ran (their union) and the `top` longest idle gaps, each with the names either side (ms)."""
+    if not intervals:
+        raise ValueError("the trace recorded no device activity")
+    intervals = sorted(intervals)
+    busy, gaps, reach, last = 0.0, [], intervals[0][0], intervals[0][2]
+    for start, end, name in intervals:
+        if start > reach:
+            gaps.append((start - reach, last, name))
+        busy += max(0.0, end - max(start, reach))
+        if end > reach:
+            reach, last = end, name
+    gaps.sort(key=lambda g: -g[0])
+    return {"span_ms": round((reach - intervals[0][0]) / 1e3, 2), "busy_ms": round(busy / 1e3, 2),
+            "idle_ms": round(sum(g[0] for g in gaps) / 1e3, 2), "gaps": len(gaps),
+            "longest": [(round(us / 1e3, 3), before[:60], after[:60]) for us, before, after in gaps[:top]]}
+
+
+def cuda_intervals(prof) -> list:
+    """The device activity (kernels, copies, sets) a torch.profiler run recorded, as device_gaps' intervals."""
+    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_totals(intervals: list, top: int = 10) -> dict:
+    """{name: ms} of the `top` names with the most device time in the intervals."""
+    totals = collections.Counter()
+    for start, end, name in intervals:
+        totals[name[:60]] += (end - start) / 1e3
+    return {name: round(ms, 2) for name, ms in totals.most_common(top)}
+
+
+def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0.0, trace=None) -> dict:
     """All requests at once; per step wall time, of which waiting for the device, scheduling, launching (and
     within launching: building the inputs, the graph replay call, queuing the sampler). GPU engines only.
     slow_ms > 0: also lists the steps slower than that, with what they and the step before scheduled (with
-    overlapped steps a step's wall time is mostly the device time of the step launched before it)."""
+    overlapped steps a step's wall time is mostly the device time of the step launched before it).
+    trace (first, stop): device_gaps of steps first..stop-1 under torch.profiler (CUDA activity only)."""
     totals = collections.Counter()
     in_flight_results = engine_module.InFlight.results
     engine_module.InFlight.results = timed(in_flight_results, totals, "wait")
@@ -85,7 +121,20 @@ def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0
         for i, prompt in enumerate(sb.random_prompts(requests, isl, engine.runner.model.config["vocab_size"], seed)):
             engine.add_request(f"p{seed}-{i}", prompt, params)
         histogram, steps, start, slow = collections.Counter(), 0, time.perf_counter(), []
+        prof, traced = None, None
         while engine.has_unfinished():
+            if trace and steps == trace[0]:
+                from torch.profiler import ProfilerActivity, profile as torch_profile
+                prof, trace_start = torch_profile(activities=[ProfilerActivity.CUDA]), time.perf_counter()
+                prof.__enter__()
+            if prof is not None and steps == trace[1]:
+                torch.cuda.synchronize()
+                traced_s = time.perf_counter() - trace_start
+                prof.__exit__(None, None, None)
+                intervals = cuda_intervals(prof)
+                traced = {"steps": f"{trace[0]}:{trace[1]}", "wall_ms": round(1e3 * traced_s, 1),
+                          **device_gaps(intervals), "kernels_ms": kernel_totals(intervals)}
+                prof = None
             step_start = time.perf_counter()
             step_no[0] = steps
             engine.step()
@@ -96,6 +145,9 @@ def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0
                              "before": scheduled[-2] if len(scheduled) > 1 else "-"})
             steps += 1
         total = time.perf_counter() - start
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            raise ValueError(f"--trace {trace[0]}:{trace[1]}: the run ended after {steps} steps")
         if spans:
             torch.cuda.synchronize()
         device_ms = {k: round(a.elapsed_time(b), 1) for k, (a, b) in spans.items()}  # device time of launch k
@@ -110,7 +162,8 @@ def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0
     per_step = {k: round(1e3 * v / steps, 3) for k, v in totals.items()}
     return {"steps": steps, "seconds": round(total, 2), "output_tok_s": round(requests * osl / total),
             "ms_per_step": round(1e3 * total / steps, 3), "ms_per_step_parts": per_step,
-            "histogram_ms": dict(sorted(histogram.items())), **({"slow_steps": slow} if slow_ms else {})}
+            "histogram_ms": dict(sorted(histogram.items())), **({"slow_steps": slow} if slow_ms else {}),
+            **({"trace": traced} if trace else {})}
 
 
 def main(argv=None):
@@ -122,11 +175,18 @@ def main(argv=None):
     p.add_argument("--osl", type=int, default=128)
     p.add_argument("--overlap", default="on,off", help="which runs: overlapped steps (on), not overlapped (off)")
     p.add_argument("--slow-ms", type=float, default=0.0, help="list the steps slower than this (0: none)")
+    p.add_argument("--trace", default="", help="FIRST:STOP: the device's idle gaps in steps FIRST..STOP-1")
     p.add_argument("--no-gc", action="store_true", help="Python's garbage collector off during the measured runs")
     a = p.parse_args(argv)
     modes = {"on": (1, True), "off": (2, False)}
     if not a.overlap or set(a.overlap.split(",")) - set(modes):
         p.error(f"--overlap takes a comma-separated subset of {sorted(modes)}")
+    trace = None
+    if a.trace:
+        first, _, stop = a.trace.partition(":")
+        if not (first.isdigit() and stop.isdigit() and int(first) < int(stop)):
+            p.error("--trace takes FIRST:STOP, two step numbers with FIRST < STOP")
+        trace = (int(first), int(stop))
     sb = load_script("serve_bench.py")
     engine = sb.build_engine(sb.parse(["--max-batch-size", str(a.max_batch_size)]), a.format)
     run(engine, min(a.requests, 2 * a.max_batch_size), a.isl, 32, seed=5)  # warm-up: Triton compiles
@@ -135,14 +195,19 @@ def main(argv=None):
         if a.no_gc:
             gc.collect()
             gc.disable()
-        res = run(engine, a.requests, a.isl, a.osl, seed=seed, slow_ms=a.slow_ms)
+        res = run(engine, a.requests, a.isl, a.osl, seed=seed, slow_ms=a.slow_ms, trace=trace)
         gc.enable()
-        slow = res.pop("slow_steps", [])
+        slow, traced = res.pop("slow_steps", []), res.pop("trace", None)
         print(f"{a.format} batch {a.max_batch_size} overlap={overlap} gc={'off' if a.no_gc else 'on'}: {res}",
               flush=True)
         for row in slow:
             print(f"  slow step {row['step']}: {row['ms']} ms (device: launched before {row['device_ms'][-1]} ms, "
                   f"this {row['device_ms'][0]} ms); this: {row['this']}; before: {row['before']}")
+        if traced:
+            longest = traced.pop("longest")
+            print(f"  trace: {traced}")
+            for ms, before, after in longest:
+                print(f"    idle {ms} ms between {before} and {after}")
 
 
 if __name__ == "__main__":

@@ -143,3 +143,12 @@ def test_bench_list_flags_take_positive_ints_or_exit_2(capsys):
         with pytest.raises(SystemExit) as e:
             parse(p, "--flag", text)
         assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].startswith("bench: error: --flag")
+
+
+def test_step_profile_device_gaps():
+    """bench/step_profile.py --trace: the device's idle time between overlapping kernels and copies (ms from us)."""
+    sp = load_script("step_profile.py")
+    res = sp.device_gaps([(0, 100, "a"), (50, 400, "b"), (300, 350, "c"), (1400, 1500, "d"), (1450, 1600, "e"),
+                          (1700, 1800, "f")])
+    assert res["span_ms"] == 1.8 and res["busy_ms"] == 0.7 and res["idle_ms"] == 1.1 and res["gaps"] == 2
+    assert res["longest"] == [(1.0, "b", "d"), (0.1, "e", "f")]
