@@ -24,7 +24,7 @@ from lowbit.kernels.paged_attention import DecodeVariant  # noqa: E402
 CASES = "512x1500,768x1500,256x1024,64x4096,512x200,1024x200"
 PAIRED = {"p-blk64w2": DecodeVariant(64, 2, 1, blocks=True), "p-blk64w4": DecodeVariant(64, 4, 1, blocks=True),
           "p-blk32w2": DecodeVariant(32, 2, 1, blocks=True), "p-blk128w4": DecodeVariant(128, 4, 1, blocks=True),
-          "p-rows64w4": DecodeVariant(64, 4, 3), "p-blk64w4s2": DecodeVariant(64, 4, 2, blocks=True)}
+          "p-blk64w4s2": DecodeVariant(64, 4, 2, blocks=True)}  # FP8 V is read block by block (V^T per block)
 
 
 def paired_decode(q, cache, tables, lens, scale, k_scale, v_scale, variant):

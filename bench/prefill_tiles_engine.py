@@ -15,8 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lowbit.bench_cli import int_pairs, load_script  # noqa: E402
 from lowbit.kernels import paged_prefill as pp  # noqa: E402
 
+# bf16: the tiles before the seventh session's; FP8: the seventh session's, on the V-transposed cache (run 36)
 PREVIOUS = {(False, False): pp.PrefillTiles(16, 64, 4, 3, blocks=True), (False, True): pp.PrefillTiles(16, 64, 4, 3),
-            (True, False): pp.PrefillTiles(16, 64, 4, 3), (True, True): pp.PrefillTiles(32, 128, 8, 3)}
+            (True, False): pp.PrefillTiles(32, 64, 4, 3, True, True, True),
+            (True, True): pp.PrefillTiles(32, 64, 4, 3, True, True, True)}
 
 
 def main(argv=None) -> int:

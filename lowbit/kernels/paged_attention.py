@@ -2,7 +2,10 @@
 decode and prefill/extend (whose kernel is lowbit.kernels.paged_prefill) and the tile helpers both kernels share.
 
 kv_cache [2, num_blocks, block_size, Hk, D], model dtype or float8_e4m3fn holding k / k_scale (v / v_scale).
-Token p of sequence b lives in slot block_tables[b, p // block_size] * block_size + p % block_size.
+Token p of sequence b lives in slot block_tables[b, p // block_size] * block_size + p % block_size. An FP8 cache
+stores V transposed within each block, [num_blocks, Hk, D, block_size] (token dim contiguous: the P.V product's
+operand as the tensor cores take it, copied asynchronously with no register transpose); `v_blocks` gives V in token
+order either way.
 Grouped-query: query head h reads KV head h // (Hq // Hk). Every op has a torch reference of the same signature.
 Launchers take device tensors only (no host sync), so decode can be captured in a CUDA graph.
 With out_scale (the o_proj's static FP8 input scale) decode and prefill write their output as float8_e4m3fn.
@@ -24,45 +27,65 @@ class DecodeVariant(NamedTuple):
     warps: int
     stages: int  # Triton software-pipelining stages (1: none)
     # one block-table id per cache block: tiles [block_n / block_size, block_size, D], 64-bit address math per block,
-    # rows past the context clamped to its last token (no load masks), next tile's ids loaded during this tile's math
+    # rows past the context clamped to its last token (no load masks), next tile's ids loaded during this tile's math;
+    # an FP8 cache needs it (its V, stored transposed per block, is read block by block)
     blocks: bool = False
 
 
 # Decode tiles. H200 sweeps at Llama-8B heads, shuffled block tables (`python3 bench/attention_tiles.py`,
-# 2026-11-30 20:20 and 20:39 UTC, docs/benchmarks.md runs 13-14), us per launch, FP8 KV unless noted:
-#                 512x1500  256x200      512x200  256x1024  64x4096 (batch x context)
-#   rows128       615-617   71-72        132      218       221     (the default until then)
-#   blk128w2      467-469   55 (82 once) 93-94    170       168
-#   blk128 r128   523-526   58           102      190       192     (maxnreg 128; 256-token tiles alike)
-#   bf16 rows64   718       74           128      257       252     (2x the bytes: 4.4 TB/s at 512x1500)
-# Lost everywhere: bit-trick e4m3 -> fp16 by integer ops (+30 %), K/V converted right after the loads, register
-# prefetch of the next tile, 8 warps, 64-token tiles; converting nothing at all (wrong results, an upper bound) ran
-# at the blk128 r128 speed, so the conversion does not limit FP8 decode.
+# docs/benchmarks.md runs 13-14 and 36), us per launch, FP8 KV unless noted:
+#                 512x1500  256x200      512x200  256x1024  64x4096  1x4096  1x32768 (batch x context)
+#   rows128       615-617   71-72        132      218       221                       (runs 13-14)
+#   blk128w2      467-469   55 (82 once) 93-94    170       168                       (V token-major, runs 13-14)
+#   bf16 rows64   718-733   74-75        128-130  257-263   252-257  18.6    72.5     (4.3-4.4 TB/s at 512x1500)
+# Run 36, V stored transposed per block (its token dim contiguous): Triton then copies the K and V tiles to shared
+# memory asynchronously (cp.async, software-pipelined) and loads them straight into the MMA operand layout, with
+# no register transpose of V; 122-178 registers instead of 199 (offline sm_90; Nsight Compute: the token-major
+# kernel ran 2 warps per scheduler at 65 % of cycles with no eligible warp, stalled on its global loads).
+#   blk128w2 (V^T, 1 stage)    471.1  54.7  94.6  170.6  165.5  24.8  73.8
+#   blk64w2s3 (V^T, 3 stages)  400.4  49.4  82.0  148.5  143.7  25.8  56.0   (3.95 TB/s at 512x1500)
+#   blk64w4s3 / blk32w4s4      546.5 / 540.7 at 512x1500; 8 warps 770-785 (run 36)
+# Lost everywhere before: bit-trick e4m3 -> fp16 by integer ops (+30 %), K/V converted right after the loads,
+# register prefetch of the next tile, 8 warps, 64-token tiles without pipelining.
 DECODE_VARIANTS = {
     "rows64": DecodeVariant(64, 4, 3),  # bf16 KV
-    "rows128": DecodeVariant(128, 4, 3),  # FP8 KV, few programs (the context is split): long single contexts
-    "blk128w2": DecodeVariant(128, 2, 1, blocks=True),  # FP8 KV, one program per (sequence, KV head)
+    "blk128w2": DecodeVariant(128, 2, 1, blocks=True),  # FP8 KV, the default until run 37
+    "blk64w2s3": DecodeVariant(64, 2, 3, blocks=True),  # FP8 KV
 }
 
 
 def decode_variant(batch: int, num_kv_heads: int, fp8: bool) -> DecodeVariant:
     """The tiles for a decode launch: from shapes only, so one CUDA graph per batch size stays valid."""
-    if not fp8:
-        return DECODE_VARIANTS["rows64"]
-    return DECODE_VARIANTS["rows128" if decode_splits(batch, num_kv_heads) > 1 else "blk128w2"]
+    return DECODE_VARIANTS["blk64w2s3" if fp8 else "rows64"]
 
 
 MAX_SPLITS = 16
 TARGET_PROGRAMS = 264  # 2 per SM on the H200's 132 SMs
 
 
-# ---- references
+# ---- cache layout and references
+def v_transposed(kv_cache) -> bool:
+    """Whether the cache stores V transposed within each block (FP8 caches: see the module docstring)."""
+    return kv_cache.dtype == torch.float8_e4m3fn
+
+
+def v_blocks(kv_cache) -> torch.Tensor:
+    """The V half as [num_blocks, block_size, Hk, D] in token order: kv_cache[1] itself, or for an FP8 cache a
+    strided view of its transposed blocks."""
+    v = kv_cache[1]
+    if not v_transposed(kv_cache):
+        return v
+    nb, bs, hk, d = v.shape
+    return v.view(nb, hk, d, bs).permute(0, 3, 1, 2)
+
+
 def store_kv_ref(k, v, kv_cache, slot_mapping, k_scale, v_scale) -> None:
-    """k, v [T, Hk, D] -> kv_cache[:, slot // block_size, slot % block_size]; slots < 0 are skipped."""
+    """k, v [T, Hk, D] -> the cache at slot // block_size, slot % block_size; slots < 0 are skipped."""
     keep = slot_mapping >= 0
-    flat = _bits(kv_cache).view(2, -1, *kv_cache.shape[-2:])
-    for i, (x, s) in enumerate(((k, k_scale), (v, v_scale))):
-        flat[i].index_copy_(0, slot_mapping[keep], _bits(_quantize(x[keep], s, kv_cache.dtype)))
+    slots = slot_mapping[keep].long()
+    blk, off = slots // kv_cache.shape[2], slots % kv_cache.shape[2]
+    for half, x, s in ((kv_cache[0], k, k_scale), (v_blocks(kv_cache), v, v_scale)):
+        _bits(half)[blk, off] = _bits(_quantize(x[keep], s, kv_cache.dtype))
 
 
 def _bits(x):
@@ -80,8 +103,8 @@ def _gather_seq(kv_cache, table, n, scale_k, scale_v, dtype):
     bs = kv_cache.shape[2]
     blocks = table[:cdiv(n, bs)].long()
     out = []
-    for i, s in ((0, scale_k), (1, scale_v)):
-        x = _bits(kv_cache[i])[blocks].flatten(0, 1)[:n].view(kv_cache.dtype)
+    for half, s in ((kv_cache[0], scale_k), (v_blocks(kv_cache), scale_v)):
+        x = _bits(half)[blocks].flatten(0, 1)[:n].view(kv_cache.dtype)
         out.append((x.float() * s).to(dtype) if x.dtype == torch.float8_e4m3fn else x.to(dtype))
     return out
 
@@ -113,7 +136,8 @@ def paged_decode_ref(q, kv_cache, block_tables, context_lens, scale, k_scale, v_
 # ---- KV store
 @kernel
 def _store_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, ks_ptr, vs_ptr, k_stride, v_stride, half_stride,
-                     HKD: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
+                     HKD: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
+    """Program t: token t's K and V rows [HKD] to its slot; an FP8 cache gets V transposed within the block."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -123,13 +147,21 @@ def _store_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, ks_ptr, vs_ptr, k_stride, v
     k = tl.load(k_ptr + t * k_stride + offs, mask=mask)
     v = tl.load(v_ptr + t * v_stride + offs, mask=mask)
     dst = kv_ptr + slot * HKD + offs
+    v_dst = dst + half_stride
     if FP8:
+        v_dst = kv_ptr + half_stride + _v_offset(slot, offs, HKD, BS)
         k = tl.div_rn(k.to(tl.float32), tl.load(ks_ptr))
         v = tl.div_rn(v.to(tl.float32), tl.load(vs_ptr))
         k = tl.minimum(tl.maximum(k, -448.0), 448.0).to(tl.float8e4nv)
         v = tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv)
     tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + half_stride, v.to(kv_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+@helper
+def _v_offset(slot, hd, HKD, BS: tl.constexpr):
+    """Offset within the V half of element hd (= head * D + dim) of the token in `slot`, V transposed per block."""
+    return slot // BS * (BS * HKD) + hd * BS + slot % BS
 
 
 def store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale) -> None:
@@ -140,7 +172,7 @@ def store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale) -> None:
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     ks, vs = (_scale_tensor(k_scale, k.device), _scale_tensor(v_scale, k.device)) if fp8 else (k, v)
     _store_kv_kernel[(t,)](k, v, kv_cache, slot_mapping, ks, vs, k.stride(0), v.stride(0), kv_cache.stride(0),
-                           HKD=hk * d, BLOCK=next_pow2(hk * d), FP8=fp8, num_warps=4)
+                           HKD=hk * d, BS=kv_cache.shape[2], BLOCK=next_pow2(hk * d), FP8=fp8, num_warps=4)
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -168,12 +200,17 @@ def _output(o, os_ptr, model_dtype: tl.constexpr, QUANT_OUT: tl.constexpr):
 
 @helper
 def _kv_tile(kv_ptr, bt_ptr, bt_row, offs_n, mask_n, kvh, offs_d, half_stride, HKD: tl.constexpr, D: tl.constexpr,
-             BS: tl.constexpr):
-    """-> K, V tiles [BLOCK_N, D] of tokens offs_n, gathered through the block table row, in the stored dtype."""
+             BS: tl.constexpr, V_T: tl.constexpr = False):
+    """-> K, V tiles [BLOCK_N, D] of tokens offs_n, gathered through the block table row, in the stored dtype.
+    V_T: V as stored transposed per block, [D, BLOCK_N] (byte loads: _kv_blocks reads it 16 tokens at a time)."""
     blk = tl.load(bt_ptr + bt_row + offs_n // BS, mask=mask_n, other=0).to(tl.int64)
     ptrs = kv_ptr + (blk * BS + offs_n % BS)[:, None] * HKD + kvh * D + offs_d[None, :]
     k = tl.load(ptrs, mask=mask_n[:, None], other=0.0)
-    v = tl.load(ptrs + half_stride, mask=mask_n[:, None], other=0.0)
+    if V_T:
+        cols = blk * (BS * HKD) + kvh * (D * BS) + offs_n % BS
+        v = tl.load(kv_ptr + half_stride + cols[None, :] + (offs_d * BS)[:, None], mask=mask_n[None, :], other=0.0)
+    else:
+        v = tl.load(ptrs + half_stride, mask=mask_n[:, None], other=0.0)
     return k, v
 
 
@@ -188,14 +225,23 @@ def _online_softmax(s, m, l):
 
 
 @helper
-def _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr):
-    """q [M, D], k/v [N, D], valid [M, N] (if MASKED) -> updated running max m [M], sum l [M], acc [M, D] (fp32)."""
+def _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr, V_T: tl.constexpr):
+    """q [M, D], k [N, D], v [N, D] (V_T: [D, N]), valid [M, N] (if MASKED) -> updated running max m [M], sum l [M],
+    acc [M, D] (fp32)."""
     s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
     if MASKED:
         s = tl.where(valid, s, float("-inf"))
     m, alpha, p, l = _online_softmax(s, m, l)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype)) * v_scale
+    acc = acc * alpha[:, None] + _pv(p.to(q.dtype), v.to(q.dtype), V_T) * v_scale
     return m, l, acc
+
+
+@helper
+def _pv(p, v, V_T: tl.constexpr, acc=None):
+    """P [M, N] . V, with v [N, D] or (V_T) [D, N]; acc: the dot's accumulator."""
+    if V_T:
+        v = tl.trans(v)
+    return tl.dot(p, v, acc)
 
 
 @helper
@@ -207,17 +253,32 @@ def _block_ids(bt_ptr, bt_row, n0, last, BS: tl.constexpr, NB: tl.constexpr):
 
 @helper
 def _kv_blocks(ptr, blk, n0, last, kvh, half, HKDW: tl.constexpr, W: tl.constexpr, BS: tl.constexpr,
-               NB: tl.constexpr):
+               NB: tl.constexpr, V_T: tl.constexpr = False):
     """K, V tiles [NB * BS, W] of tokens n0.. read through their NB block ids (_block_ids): 64-bit address math once
     per block, 32-bit within it; rows past token `last` re-read its row (finite, and masked out of the softmax), so
-    the loads need no mask. W, HKDW: a row's and a token's width in elements of ptr."""
+    the loads need no mask. W, HKDW: a row's and a token's width in elements of ptr. V_T: V as stored transposed,
+    [W, NB * BS] (_vt_blocks)."""
     offs_r = tl.arange(0, BS)
     tok = tl.minimum((n0 + tl.arange(0, NB) * BS)[:, None] + offs_r[None, :], last)
     rows = (tok % BS) * HKDW + kvh * W
     ptrs = ptr + (blk.to(tl.int64) * (BS * HKDW))[:, None, None] + rows[:, :, None] + tl.arange(0, W)[None, None, :]
     k = tl.reshape(tl.load(ptrs), [NB * BS, W])
-    v = tl.reshape(tl.load(ptrs + half), [NB * BS, W])
+    if V_T:
+        v = _vt_blocks(ptr + half, blk, kvh, HKDW, W, BS, NB)
+    else:
+        v = tl.reshape(tl.load(ptrs + half), [NB * BS, W])
     return k, v
+
+
+@helper
+def _vt_blocks(v_ptr, blk, kvh, HKD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr):
+    """V^T tile [D, NB * BS] of the NB cache blocks `blk` (_block_ids) from a V half stored transposed per block
+    ([blocks, Hk, D, BS]). Whole blocks: columns past the context read the rest of its last block, which must be
+    finite (P is 0 there): the pool starts zeroed and every store is clamped to +-448."""
+    cols = kvh * (D * BS) + tl.arange(0, BS)
+    ptrs = (v_ptr + (blk.to(tl.int64) * (HKD * BS))[None, :, None] + cols[None, None, :]
+            + (tl.arange(0, D) * BS)[:, None, None])
+    return tl.reshape(tl.load(ptrs), [D, NB * BS])
 
 
 @kernel
@@ -253,17 +314,17 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
         last = tl.maximum(end - 1, 0)
         blk = _block_ids(bt_ptr, bt_row, start, last, BS, NB)
         for n0 in range(start, end, BLOCK_N):
-            k, v = _kv_blocks(kv_ptr, blk, n0, last, kvh, half_stride, HKD, D, BS, NB)
+            k, v = _kv_blocks(kv_ptr, blk, n0, last, kvh, half_stride, HKD, D, BS, NB, FP8)
             blk = _block_ids(bt_ptr, bt_row, n0 + BLOCK_N, last, BS, NB)  # loads during this tile's math
             valid = (n0 + tl.arange(0, BLOCK_N) < end)[None, :]
-            m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale * k_scale, v_scale, True)
+            m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale * k_scale, v_scale, True, FP8)
     else:
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             k, v = _kv_tile(kv_ptr, bt_ptr, bt_row, offs_n, mask_n, kvh, offs_d, half_stride, HKD, D, BS)
             m, l, acc = _softmax_step(q, k, v, mask_n[None, :], m, l, acc, qk_scale * k_scale, v_scale,
-                                      True)
+                                      True, False)  # bf16 KV only (FP8 needs BLOCKS: paged_decode)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     if DIRECT:
         tl.store(out_ptr + (b * HQ + heads)[:, None] * D + offs_d[None, :],
@@ -318,6 +379,9 @@ def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scal
     ks, vs = (_scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)) if fp8 else (q, q)
     cfg = variant or decode_variant(bsz, hk, fp8)
     blocks = cfg.blocks and block_gather_fits(cfg.block_n, bs)
+    if fp8 and not blocks:
+        raise ValueError(f"FP8 KV decode reads V block by block: needs a blocks variant whose block_n is a multiple "
+                         f"of the cache's block_size {bs} (a power of two); got {cfg}")
     part = torch.empty(bsz, hq, s, d, dtype=torch.float32, device=q.device) if s > 1 else out
     lse = torch.empty(bsz, hq, s, dtype=torch.float32, device=q.device) if s > 1 else out
     _decode_kernel[(bsz, hk, s)](q, kv_cache, block_tables, context_lens, ks, vs, os_, out, part, lse, scale * LOG2E,

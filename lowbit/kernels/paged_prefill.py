@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl
-from lowbit.kernels.paged_attention import (LOG2E, _block_ids, _kv_blocks, _kv_tile, _online_softmax, _output,
+from lowbit.kernels.paged_attention import (LOG2E, _block_ids, _kv_blocks, _kv_tile, _online_softmax, _output, _pv,
                                             _scale_tensor, _softmax_step, block_gather_fits)
 
 
@@ -36,36 +36,42 @@ class PrefillTiles(NamedTuple):
 # M = 256 rows (64 tokens x 4 heads) needs dot_acc: without it FP8 took 770 us. The block-wise gather wins only for
 # bf16 KV and short prompts. S = q8.K^T on FP8 tensor cores (q quantized per row) took 407 us at 4x2048/2048 for ~10x
 # the FP8 cache's error: not adopted (experiments/prefill-fp8-qk.mbox).
+# An FP8 cache stores V transposed per block (paged_attention's module docstring; FP8 decode streams ~15 % faster
+# from it) and its tiles read V block by block. FP8 prefill lost ~9 % to that layout (run 36, 4x2048/2048): V^T
+# tiles, blocks + dot_acc + heavy_first: (32, 64, 4, 3) 559 us, (64, 64, 8, 3) 515, (16, 64, 4, 3) 718, (32, 128,
+# 8, 3) 663; the row-wise gather reads V^T a byte at a time (592 us); without dot_acc 848.
 CONFIG = {(False, False): PrefillTiles(16, 64, 4, 3, blocks=True),
           (False, True): PrefillTiles(64, 64, 8, 3, dot_acc=True, heavy_first=True),
-          (True, False): PrefillTiles(32, 64, 4, 3, dot_acc=True, heavy_first=True),
-          (True, True): PrefillTiles(32, 64, 4, 3, dot_acc=True, heavy_first=True)}
+          (True, False): PrefillTiles(64, 64, 8, 3, blocks=True, dot_acc=True, heavy_first=True),
+          (True, True): PrefillTiles(64, 64, 8, 3, blocks=True, dot_acc=True, heavy_first=True)}
 
 
 @helper
 def _tile(kv_ptr, bt_ptr, bt_row, n0, end, kvh, offs_d, half_stride, HKD: tl.constexpr, D: tl.constexpr,
-          BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr):
-    """K, V [BLOCK_N, D] of tokens n0.. (< end; rows past it are zeros, or with BLOCKS copies of token end - 1)."""
+          BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, V_T: tl.constexpr):
+    """K [BLOCK_N, D] and V [BLOCK_N, D] (V_T: [D, BLOCK_N]) of tokens n0.. (< end; rows past it are zeros, or
+    with BLOCKS copies of token end - 1)."""
     if BLOCKS:
         NB: tl.constexpr = BLOCK_N // BS
         blk = _block_ids(bt_ptr, bt_row, n0, end - 1, BS, NB)
-        return _kv_blocks(kv_ptr, blk, n0, end - 1, kvh, half_stride, HKD, D, BS, NB)
+        return _kv_blocks(kv_ptr, blk, n0, end - 1, kvh, half_stride, HKD, D, BS, NB, V_T)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    return _kv_tile(kv_ptr, bt_ptr, bt_row, offs_n, offs_n < end, kvh, offs_d, half_stride, HKD, D, BS)
+    return _kv_tile(kv_ptr, bt_ptr, bt_row, offs_n, offs_n < end, kvh, offs_d, half_stride, HKD, D, BS, V_T)
 
 
 @helper
-def _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr, DOT_ACC: tl.constexpr):
-    """Online-softmax step over one K/V tile [N, D] for q [M, D]. DOT_ACC: acc holds sum P.V without V's scale
-    (applied by the caller at the end), else as paged_attention's _softmax_step."""
+def _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr, DOT_ACC: tl.constexpr,
+          V_T: tl.constexpr):
+    """Online-softmax step over one K/V tile (as _tile gives them) for q [M, D]. DOT_ACC: acc holds sum P.V
+    without V's scale (applied by the caller at the end), else as paged_attention's _softmax_step."""
     if DOT_ACC:
         s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
         if MASKED:
             s = tl.where(valid, s, float("-inf"))
         m, alpha, p, l = _online_softmax(s, m, l)
-        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
+        acc = _pv(p.to(q.dtype), v.to(q.dtype), V_T, acc * alpha[:, None])
     else:
-        m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED)
+        m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED, V_T)
     return m, l, acc
 
 
@@ -111,13 +117,14 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_
     end = tl.minimum(ctx_len, first + BLOCK_T)
     bt_row = b * bt_stride
     for n0 in range(0, full_end, BLOCK_N):
-        k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, full_end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS)
-        m, l, acc = _step(q, k, v, None, m, l, acc, qk_scale, v_scale, False, DOT_ACC)
+        k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, full_end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS,
+                     FP8)
+        m, l, acc = _step(q, k, v, None, m, l, acc, qk_scale, v_scale, False, DOT_ACC, FP8)
     for n0 in range(full_end, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS)
+        k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS, FP8)
         valid = (offs_n[None, :] < end) & (offs_n[None, :] <= pos[:, None])
-        m, l, acc = _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, True, DOT_ACC)
+        m, l, acc = _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, True, DOT_ACC, FP8)
     if DOT_ACC:
         o = acc * (v_scale / l)[:, None]
     else:

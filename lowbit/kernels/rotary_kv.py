@@ -3,7 +3,8 @@ and v into the cache, instead of a rotary launch followed by store_kv's.
 
 qkv [T, >= (Hq+2Hk)*D] (q's heads, k's, then v's at the start of each row; rows may be strided); positions [T];
 cos_sin_cache [max_pos, D]; part_scales fp32 [3] or None (see rotary_qk_ref); kv_cache [2, blocks, block_size, Hk, D]
-in the model dtype or float8_e4m3fn (k / k_scale, v / v_scale); slot_mapping [T], slots < 0 skipped.
+in the model dtype or float8_e4m3fn (k / k_scale, v / v_scale; V transposed within each block, as
+lowbit.kernels.paged_attention lays FP8 caches out); slot_mapping [T], slots < 0 skipped.
 The stored values are rounded as store_kv_ref(rotary_qk_ref(...)) rounds them: k rotated and rounded to the model
 dtype first, then (FP8) / k_scale in fp32 (as a product with 1 / k_scale: one fp32 rounding apart), clamped to
 +-448, cast. Launchers read device tensors only (CUDA graphs).
@@ -11,7 +12,7 @@ dtype first, then (FP8) / k_scale in fp32 (as a product with 1 / k_scale: one fp
 import torch
 
 from lowbit.kernels._triton import cdiv, kernel, next_pow2, tl
-from lowbit.kernels.paged_attention import _scale_tensor, store_kv_ref
+from lowbit.kernels.paged_attention import _scale_tensor, _v_offset, store_kv_ref
 from lowbit.kernels.rotary import rotary_qk_ref
 
 
@@ -26,7 +27,7 @@ def rotary_store_kv_ref(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache,
 
 @kernel
 def _rotary_store_kv_kernel(x_ptr, q_ptr, kv_ptr, slot_ptr, pos_ptr, cs_ptr, ps_ptr, ks_ptr, vs_ptr, x_stride,
-                            half_stride, HQ, HK, HALF, SCALED: tl.constexpr, FP8: tl.constexpr,
+                            half_stride, HQ, HK, HALF, BS: tl.constexpr, SCALED: tl.constexpr, FP8: tl.constexpr,
                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """Row t of x, heads BLOCK_H * program_id(1) and on: heads [0, HQ) rotated to q [T, HQ, 2*HALF]; heads
     [HQ, HQ+HK) rotated and [HQ+HK, HQ+2HK) as they are to kv_cache half 0 and 1 at slot t; with SCALED, part p's
@@ -62,8 +63,12 @@ def _rotary_store_kv_kernel(x_ptr, q_ptr, kv_ptr, slot_ptr, pos_ptr, cs_ptr, ps_
             inv = tl.where(is_v, tl.div_rn(1.0, tl.load(vs_ptr)), tl.div_rn(1.0, tl.load(ks_ptr)))
             c1 = tl.minimum(tl.maximum(y1.to(tl.float32) * inv, -448.0), 448.0).to(tl.float8e4nv)
             c2 = tl.minimum(tl.maximum(y2.to(tl.float32) * inv, -448.0), 448.0).to(tl.float8e4nv)
+            # V transposed within its block (paged_attention's module docstring): dims HALF apart are HALF * BS apart
+            v_dst = kv_ptr + half_stride + _v_offset(slot, kv_head * 2 * HALF + d, HK * 2 * HALF, BS)
+            dst = tl.where(is_v, v_dst, dst)
+            step = tl.where(is_v, HALF * BS, HALF)
             tl.store(dst, c1, mask=mask & ~is_q)
-            tl.store(dst + HALF, c2, mask=mask & ~is_q)
+            tl.store(dst + step, c2, mask=mask & ~is_q)
         else:
             tl.store(dst, y1, mask=mask & ~is_q)
             tl.store(dst + HALF, y2, mask=mask & ~is_q)
@@ -87,7 +92,7 @@ def rotary_store_kv(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, par
     block_h = min(16, next_pow2(heads))  # Llama-3.1-8B: 48 heads in 3 programs per token (batch 1: 3 SMs, not 1)
     _rotary_store_kv_kernel[(t, cdiv(heads, block_h))](qkv, q, kv_cache, slot_mapping, positions, cache,
                                   part_scales if part_scales is not None else cache, ks, vs, qkv.stride(0),
-                                  kv_cache.stride(0), num_q_heads, num_k_heads, d // 2,
+                                  kv_cache.stride(0), num_q_heads, num_k_heads, d // 2, BS=kv_cache.shape[2],
                                   SCALED=part_scales is not None, FP8=fp8,
                                   BLOCK_H=block_h, BLOCK_D=next_pow2(d // 2), num_warps=4)
     return q

@@ -2,15 +2,16 @@
 the fused QKV rows and store K/V, in one; attend).
 
 kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim], in the model dtype or float8_e4m3fn. With FP8, the
-stored value is k / k_scale (v / v_scale), the checkpoint's per-layer scalars. The torch reference below runs
+stored value is k / k_scale (v / v_scale), the checkpoint's per-layer scalars, and V is stored transposed within
+each block (lowbit.kernels.paged_attention.v_blocks). The torch reference below runs
 everywhere; a GPU backend (Triton, issue 7) replaces it by implementing the same three functions.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit.checkpoint.formats import FP8_MAX
 from lowbit.kernels.norm import quantize_fp8_ref
+from lowbit.kernels.paged_attention import store_kv_ref, v_blocks
 from lowbit.kernels.rotary import rotary_qk_ref
 from lowbit.serve.context import StepContext
 
@@ -20,10 +21,8 @@ class TorchAttentionBackend:
 
     @staticmethod
     def store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale) -> None:
-        """k, v [T, Hk, D] -> kv_cache[:, slot // block_size, slot % block_size]."""
-        flat = _bits(kv_cache).view(2, -1, *kv_cache.shape[-2:])  # index_copy_ has no float8 kernel on CPU
-        flat[0].index_copy_(0, slot_mapping, _bits(_quantize(k, k_scale, kv_cache.dtype)))
-        flat[1].index_copy_(0, slot_mapping, _bits(_quantize(v, v_scale, kv_cache.dtype)))
+        """k, v [T, Hk, D] -> the cache at slot // block_size, slot % block_size (slots < 0 skipped)."""
+        store_kv_ref(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
     @staticmethod
     def rotary_store_kv(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales, kv_cache,
@@ -46,7 +45,7 @@ class TorchAttentionBackend:
         for b, (n, ctx_len) in enumerate(zip(ctx.query_lens_cpu, ctx.context_lens_cpu)):
             blocks = ctx.block_tables[b, :(ctx_len + block_size - 1) // block_size]
             k = _dequantize(_gather(kv_cache[0], blocks, ctx_len), k_scale, q.dtype)
-            v = _dequantize(_gather(kv_cache[1], blocks, ctx_len), v_scale, q.dtype)
+            v = _dequantize(_gather(v_blocks(kv_cache), blocks, ctx_len), v_scale, q.dtype)
             qb = q[start:start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
             mask = None  # a whole prompt at once: is_causal; a later chunk: query i sits at ctx_len - n + i
             if 1 < n < ctx_len:
@@ -66,12 +65,6 @@ def _bits(x):
 def _gather(cache, blocks, n):
     """cache [num_blocks, block_size, Hk, D], blocks [b] -> the first n tokens [n, Hk, D]."""
     return _bits(cache)[blocks].flatten(0, 1)[:n].view(cache.dtype)
-
-
-def _quantize(x, scale, dtype):
-    if dtype != torch.float8_e4m3fn:
-        return x.to(dtype)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 def _dequantize(x, scale, dtype):
