@@ -5,6 +5,7 @@
 #   bash bench/h200_session.sh formats  # lowbit bench serve: bf16, int4_awq, nvfp4 and the HF baseline
 #   bash bench/h200_session.sh trt      # FP8 2048/128 and 1000/1000 with TRT-LLM's request counts (3000 each)
 #   bash bench/h200_session.sh prefill  # prefill tiles inside whole steps (mixed and prefill), SM clock and power
+#   bash bench/h200_session.sh ncu      # Nsight Compute reports of FP8 / bf16 decode attention, INT4 GEMV, fp8_small_m
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -63,8 +64,22 @@ prefill)
     timeout 150 python3 bench/step_profile.py --max-batch-size 512 --requests 512 --isl 2048 --osl 128 \
         --overlap on --slow-ms 190 2>&1 | tail -20
     ;;
+ncu)
+    part "Nsight Compute (full set, clocks as they run) of one launch of each kernel; reports and text in \$OUT"
+    for t in "decode_fp8 _decode_kernel decode --kv fp8" "decode_bf16 _decode_kernel decode --kv bf16" \
+             "w4_int4 _w4_gemv_kernel w4 --fmt int4" "fp8_small_m _fp8_small_m_kernel fp8"; do
+        set -- $t
+        name=$1 kern=$2
+        shift 2
+        timeout 150 ncu --clock-control none --set full -k "regex:$kern" -s 1 -c 1 -f -o "$OUT/$name" \
+            python3 bench/ncu_targets.py "$@" > /dev/null 2>&1
+        ncu --import "$OUT/$name.ncu-rep" --page details > "$OUT/$name.txt" 2>&1
+        echo "-- $name"
+        grep -E "^ +(Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|No Eligible) " "$OUT/$name.txt"
+    done
+    ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu" >&2
     exit 2
     ;;
 esac
