@@ -48,9 +48,21 @@ BF16 = "rows64"  # the bf16-KV tiles: that variant runs on a bf16 cache, every o
 AUTO = "auto"  # paged_decode's own choice (decode_variant) on an FP8 cache
 
 
+# Candidates not in DECODE_VARIANTS, for the next sweep (FP8, V^T cache). Offline sm_90 (triton 3.6), registers /
+# shared memory per program: blk64w2s3 (engine) 178 / 38.9 KB, 2 warps per scheduler; blk32w2s3 121 / 21.5 KB and
+# blk32w2s4 120 / 29.7 KB (4 warps per scheduler by registers); blk64w2s3r168 160 / 38.9 KB (3); blk64w2s4 178 / 55 KB.
+EXPERIMENTS = {
+    "blk32w2s3": pa.DecodeVariant(32, 2, 3, blocks=True),
+    "blk32w2s4": pa.DecodeVariant(32, 2, 4, blocks=True),
+    "blk64w2s3r168": pa.DecodeVariant(64, 2, 3, blocks=True, maxnreg=168),
+    "blk64w2s4": pa.DecodeVariant(64, 2, 4, blocks=True),
+}
+
+
 def _selected_variants(names) -> dict:
-    """name -> (KV dtype, DecodeVariant or None for AUTO)."""
-    variants = {n: (torch.bfloat16 if n == BF16 else torch.float8_e4m3fn, v) for n, v in pa.DECODE_VARIANTS.items()}
+    """name -> (KV dtype, DecodeVariant or None for AUTO). Without names: DECODE_VARIANTS (EXPERIMENTS by name)."""
+    known = {**pa.DECODE_VARIANTS, **(EXPERIMENTS if names else {})}
+    variants = {n: (torch.bfloat16 if n == BF16 else torch.float8_e4m3fn, v) for n, v in known.items()}
     variants[AUTO] = (torch.float8_e4m3fn, None)
     if names:
         unknown = set(names) - set(variants)

@@ -6,6 +6,7 @@
 #   bash bench/h200_session.sh trt      # FP8 2048/128 and 1000/1000 with TRT-LLM's request counts (3000 each)
 #   bash bench/h200_session.sh prefill  # prefill tiles inside whole steps (mixed and prefill), SM clock and power
 #   bash bench/h200_session.sh ncu      # Nsight Compute reports of FP8 / bf16 decode attention, INT4 GEMV, fp8_small_m
+#   bash bench/h200_session.sh tiles    # FP8 decode and prefill tile candidates for the V-transposed cache
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -64,6 +65,14 @@ prefill)
     timeout 150 python3 bench/step_profile.py --max-batch-size 512 --requests 512 --isl 2048 --osl 128 \
         --overlap on --slow-ms 190 2>&1 | tail -20
     ;;
+tiles)
+    part "FP8 decode tiles on the V-transposed cache: the engine's against attention_tiles.py's EXPERIMENTS"
+    timeout 200 python3 bench/attention_tiles.py --variants blk64w2s3,blk32w2s3,blk32w2s4,blk64w2s3r168,blk64w2s4 \
+        --budget-s 150 --json "$OUT/attention_tiles.json" 2>&1 | grep -E '^\||FAIL'
+    part "FP8 prefill tiles on the V-transposed cache: the engine's (None) against the candidates that spill nothing"
+    timeout 200 python3 bench/prefill_tiles.py --kv fp8 --configs "None;(32, 64, 8, 3, True, True, True);\
+(32, 32, 8, 3, True, True, True);(32, 64, 8, 2, True, True, True)" --json "$OUT/prefill_tiles.json" 2>&1 | grep -E '^\||FAIL'
+    ;;
 ncu)
     part "Nsight Compute (full set, clocks as they run) of one launch of each kernel; reports and text in \$OUT"
     for t in "decode_fp8 _decode_kernel decode --kv fp8" "decode_bf16 _decode_kernel decode --kv bf16" \
@@ -79,7 +88,7 @@ ncu)
     done
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles" >&2
     exit 2
     ;;
 esac

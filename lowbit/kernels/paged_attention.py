@@ -30,6 +30,7 @@ class DecodeVariant(NamedTuple):
     # rows past the context clamped to its last token (no load masks), next tile's ids loaded during this tile's math;
     # an FP8 cache needs it (its V, stored transposed per block, is read block by block)
     blocks: bool = False
+    maxnreg: int | None = None  # a register cap per thread (Triton's maxnreg), None: the compiler's choice
 
 
 # Decode tiles. H200 sweeps at Llama-8B heads, shuffled block tables (`python3 bench/attention_tiles.py`,
@@ -388,7 +389,8 @@ def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scal
                                  block_tables.stride(0), kv_cache.stride(0), s, HQ=hq, HKD=hk * d, G=g,
                                  GP=max(16, next_pow2(g)), D=d, BS=bs, BLOCK_N=cfg.block_n, FP8=fp8,
                                  DIRECT=s == 1, QUANT_OUT=out_scale is not None,
-                                 BLOCKS=blocks, num_warps=cfg.warps, num_stages=cfg.stages)
+                                 BLOCKS=blocks, num_warps=cfg.warps, num_stages=cfg.stages,
+                                 **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if s > 1:
         _combine_kernel[(bsz * hq,)](part, lse, os_, out, s, D=d, SP=next_pow2(s), model_dtype=_tl_dtype(q.dtype),
                                      QUANT_OUT=out_scale is not None, num_warps=4)
