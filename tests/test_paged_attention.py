@@ -169,3 +169,13 @@ def test_decode_variant_depends_on_shapes_only():
     assert pa.decode_variant(256, 8, True) == pa.DECODE_VARIANTS["blk64w2s3"]
     assert pa.decode_variant(512, 8, True) == pa.DECODE_VARIANTS["blk64w2s3"]
     assert pa.decode_variant(512, 8, False) == pa.DECODE_VARIANTS["rows64"]
+
+
+def test_fp8_decode_tiles_hold_whole_blocks():
+    """A cache block larger than the variant's tile: the FP8 decode widens the tile to one block (same result)."""
+    c = make_case([1, 40, 9], [1, 1, 1], dtype=DTYPE, kv_dtype=torch.float8_e4m3fn, seed=2,
+                  **{**SHAPES, "bs": 2 * SHAPES["bs"]})
+    pa.store_kv_ref(c["k"], c["v"], c["cache"], c["slots"], *c["scales"])
+    args = (c["q"], c["cache"], c["tables"], c["ctx"], 0.125, *c["scales"])
+    variant = pa.DecodeVariant(SHAPES["bs"], 2, 1, blocks=True)  # tiles of half a cache block
+    assert rel_err(pa.paged_decode(*args, variant=variant), pa.paged_decode_ref(*args)) < 1e-2

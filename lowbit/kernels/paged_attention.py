@@ -379,6 +379,8 @@ def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scal
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     ks, vs = (_scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)) if fp8 else (q, q)
     cfg = variant or decode_variant(bsz, hk, fp8)
+    if fp8 and cfg.blocks and cfg.block_n < bs:  # a tile holds whole cache blocks
+        cfg = cfg._replace(block_n=bs)
     blocks = cfg.blocks and block_gather_fits(cfg.block_n, bs)
     if fp8 and not blocks:
         raise ValueError(f"FP8 KV decode reads V block by block: needs a blocks variant whose block_n is a multiple "

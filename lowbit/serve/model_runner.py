@@ -32,6 +32,10 @@ class ModelRunner:
             raise ValueError(f"kv_cache_quant_algo {ckpt.kv_algo!r} is not supported (FP8 or none)")
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         gpu_attention = _use_gpu_attention(self.device.type == "cuda")
+        bs = config.block_size
+        if gpu_attention and self.kv_dtype == torch.float8_e4m3fn and bs & (bs - 1):
+            raise ValueError(f"block_size {bs}: an FP8 KV cache on the GPU needs a power of two (its V is read "
+                             f"block by block)")
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         a = self.attn_layers[0]
         shape = (2, self.num_blocks, config.block_size, a.num_kv_heads, a.head_dim)
