@@ -15,12 +15,14 @@ import torch
 from lowbit.checkpoint import formats
 
 RECIPES = ("fp8", "fp8_dynamic", "nvfp4", "int4_awq", "int4_rtn", "w8a8_sq")
-# Reader vs modelopt fake-quant logits on 64 held-out tokens. NVFP4 and AWQ: max |diff| <= EXACT_TOL (same
-# numbers up to float rounding). Static-activation and tie-affected formats: float32 noise (sdpa vs modelopt's
-# attention) or tie flips move a few activation/weight codes by one step, so the bound is relative to the
-# quantization error itself: rel-L2(reader, modelopt) <= NOISE_RATIO * rel-L2(float model, modelopt).
+# Reader vs modelopt fake-quant logits on 64 held-out tokens. AWQ: max |diff| <= EXACT_TOL (same numbers up to
+# float rounding). Quantized-activation and tie-affected formats: float32 noise (sdpa vs modelopt's attention) or
+# tie flips move a few activation/weight codes by one step, so the bound is relative to the quantization error
+# itself: rel-L2(reader, modelopt) <= NOISE_RATIO * rel-L2(float model, modelopt). NVFP4 quantizes activations to
+# e2m1 per 16-block: it matched exactly until the packages of 2026-12-01 (transformers 5.24, modelopt 0.47, torch
+# 2.13), with which activation code flips give max |diff| 0.40 at rel-L2 5.7e-4 (quantization: 4.5e-2).
 EXACT_TOL = 1e-3
-NOISE_RATIO = {"w8a8_sq": 0.1, "int4_rtn": 0.1, "fp8": 0.75, "fp8_dynamic": 0.75}
+NOISE_RATIO = {"w8a8_sq": 0.1, "int4_rtn": 0.1, "nvfp4": 0.1, "fp8": 0.75, "fp8_dynamic": 0.75}
 TIE_FRACTION = 0.01  # at most 1 % of a layer's weights may sit on a tie
 
 
