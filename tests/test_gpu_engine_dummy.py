@@ -152,3 +152,14 @@ def test_step_profile_device_gaps():
                           (1700, 1800, "f")])
     assert res["span_ms"] == 1.8 and res["busy_ms"] == 0.7 and res["idle_ms"] == 1.1 and res["gaps"] == 2
     assert res["longest"] == [(1.0, "b", "d"), (0.1, "e", "f")]
+
+
+def test_gpu_fp8_cache_refuses_block_size_not_a_power_of_two(monkeypatch):
+    """An engine with the GPU kernels and an FP8 KV cache stops at start on a block size whose V blocks the kernels
+    cannot read (the Triton backend stubbed in on the CPU: the check comes before anything runs)."""
+    from lowbit.serve import model_runner
+
+    bench = load_bench()
+    monkeypatch.setattr(model_runner, "_use_gpu_attention", lambda on_cuda: True)
+    with pytest.raises(ValueError, match="block_size 24: an FP8 KV cache on the GPU needs a power of two"):
+        bench.build_engine(bench.parse(["--tiny", "--device", "cpu"]), "fp8", block_size=24, num_kv_blocks=64)
