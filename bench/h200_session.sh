@@ -33,9 +33,9 @@ check)
         --top 6 --json "$OUT/kernel_profile.json" 2>&1 | grep -A8 '^## '
     ;;
 serve)
-    part "FP8: batch 1, maximum load (1024 x 128/128 at batch 1024), 1000/1000 and 2048/128"
+    part "FP8: batch 1, maximum load (1024 x 128/128 at batch 1024), 1000/1000 (768 and 896 requests: 945 fit) and 2048/128"
     timeout 420 python3 bench/serve_bench.py --formats fp8 --phases formats,extra --max-batch-size 1024 \
-        --extra 128/128/2048,1000/1000/512,1000/1000/768,2048/128/512 --deadline-s 380 \
+        --extra 128/128/2048,1000/1000/768,1000/1000/896,2048/128/512 --deadline-s 380 \
         --json "$OUT/serve_fp8.json" --markdown "$OUT/serve_fp8.md" 2>&1 | grep -E '^\['
     part "FP8 maximum load at batch 512"
     timeout 120 python3 bench/serve_bench.py --formats fp8 --phases formats --max-batch-size 512 \
