@@ -24,7 +24,7 @@ CONFIGS = ((16, 64, 4, 3), (32, 128, 8, 3), (16, 64, 4, 3, True), (32, 128, 8, 3
            (16, 64, 4, 3, False, True), (16, 64, 4, 3, False, False, True), (16, 64, 4, 3, False, True, True),
            (32, 128, 8, 3, False, True), (32, 128, 8, 3, False, False, True), (32, 128, 8, 3, False, True, True),
            (64, 64, 8, 3, False, True, True),
-           # block-wise, for the V-transposed FP8 cache; offline sm_90 (triton 3.6) on it, registers / spilled bytes:
+           # block-wise, for the V-transposed FP8 cache; bench/offline_compile.py prefill on it, registers / spilled bytes:
            # (64, 64, 8, 3) the engine's 255 / 272, (32, 64, 4, 3) 255 / 472; these three spill nothing:
            # (32, 64, 8, 3) 220, (32, 32, 8, 3) 209, (32, 64, 8, 2) 229
            (64, 64, 8, 3, True, True, True), (32, 64, 8, 3, True, True, True), (32, 32, 8, 3, True, True, True),

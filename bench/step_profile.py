@@ -92,6 +92,35 @@ def kernel_totals(intervals: list, top: int = 10) -> dict:
     return {name: round(ms, 2) for name, ms in totals.most_common(top)}
 
 
+class StepTrace:
+    """torch.profiler (CUDA activity only) over steps first..stop-1 of a run; `result`: their wall time, device_gaps
+    and kernel_totals."""
+
+    def __init__(self, first: int, stop: int):
+        self.first, self.stop, self.prof, self.result = first, stop, None, None
+
+    def before_step(self, step: int) -> None:
+        if step == self.first:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+            self.prof, self.start = torch_profile(activities=[ProfilerActivity.CUDA]), time.perf_counter()
+            self.prof.__enter__()
+        elif step == self.stop and self.prof is not None:
+            torch.cuda.synchronize()
+            wall_s = time.perf_counter() - self.start
+            self.prof.__exit__(None, None, None)
+            intervals, self.prof = cuda_intervals(self.prof), None
+            self.result = {"steps": f"{self.first}:{self.stop}", "wall_ms": round(1e3 * wall_s, 1),
+                           **device_gaps(intervals), "kernels_ms": kernel_totals(intervals)}
+
+    def after_run(self, steps: int) -> None:
+        if steps == self.stop:  # the traced steps were the run's last
+            self.before_step(steps)
+        if self.result is None:
+            if self.prof is not None:
+                self.prof.__exit__(None, None, None)
+            raise ValueError(f"--trace {self.first}:{self.stop}: the run ended after {steps} steps")
+
+
 def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0.0, trace=None) -> dict:
     """All requests at once; per step wall time, of which waiting for the device, scheduling, launching (and
     within launching: building the inputs, the graph replay call, queuing the sampler). GPU engines only.
@@ -121,20 +150,10 @@ def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0
         for i, prompt in enumerate(sb.random_prompts(requests, isl, engine.runner.model.config["vocab_size"], seed)):
             engine.add_request(f"p{seed}-{i}", prompt, params)
         histogram, steps, start, slow = collections.Counter(), 0, time.perf_counter(), []
-        prof, traced = None, None
+        tracer = StepTrace(*trace) if trace else None
         while engine.has_unfinished():
-            if trace and steps == trace[0]:
-                from torch.profiler import ProfilerActivity, profile as torch_profile
-                prof, trace_start = torch_profile(activities=[ProfilerActivity.CUDA]), time.perf_counter()
-                prof.__enter__()
-            if prof is not None and steps == trace[1]:
-                torch.cuda.synchronize()
-                traced_s = time.perf_counter() - trace_start
-                prof.__exit__(None, None, None)
-                intervals = cuda_intervals(prof)
-                traced = {"steps": f"{trace[0]}:{trace[1]}", "wall_ms": round(1e3 * traced_s, 1),
-                          **device_gaps(intervals), "kernels_ms": kernel_totals(intervals)}
-                prof = None
+            if tracer:
+                tracer.before_step(steps)
             step_start = time.perf_counter()
             step_no[0] = steps
             engine.step()
@@ -145,9 +164,8 @@ def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0
                              "before": scheduled[-2] if len(scheduled) > 1 else "-"})
             steps += 1
         total = time.perf_counter() - start
-        if prof is not None:
-            prof.__exit__(None, None, None)
-            raise ValueError(f"--trace {trace[0]}:{trace[1]}: the run ended after {steps} steps")
+        if tracer:
+            tracer.after_run(steps)
         if spans:
             torch.cuda.synchronize()
         device_ms = {k: round(a.elapsed_time(b), 1) for k, (a, b) in spans.items()}  # device time of launch k
@@ -163,7 +181,7 @@ def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0
     return {"steps": steps, "seconds": round(total, 2), "output_tok_s": round(requests * osl / total),
             "ms_per_step": round(1e3 * total / steps, 3), "ms_per_step_parts": per_step,
             "histogram_ms": dict(sorted(histogram.items())), **({"slow_steps": slow} if slow_ms else {}),
-            **({"trace": traced} if trace else {})}
+            **({"trace": tracer.result} if trace else {})}
 
 
 def main(argv=None):

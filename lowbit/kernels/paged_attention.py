@@ -41,7 +41,7 @@ class DecodeVariant(NamedTuple):
 #   bf16 rows64   718-733   74-75        128-130  257-263   252-257  18.6    72.5     (4.3-4.4 TB/s at 512x1500)
 # Run 36, V stored transposed per block (its token dim contiguous): Triton then copies the K and V tiles to shared
 # memory asynchronously (cp.async, software-pipelined) and loads them straight into the MMA operand layout, with
-# no register transpose of V; 122-178 registers instead of 199 (offline sm_90; Nsight Compute: the token-major
+# no register transpose of V; 122-178 registers instead of 199 (bench/offline_compile.py; Nsight Compute: the token-major
 # kernel ran 2 warps per scheduler at 65 % of cycles with no eligible warp, stalled on its global loads).
 #   blk128w2 (V^T, 1 stage)    471.1  54.7  94.6  170.6  165.5  24.8  73.8
 #   blk64w2s3 (V^T, 3 stages)  400.4  49.4  82.0  148.5  143.7  25.8  56.0   (3.95 TB/s at 512x1500)
@@ -65,16 +65,11 @@ TARGET_PROGRAMS = 264  # 2 per SM on the H200's 132 SMs
 
 
 # ---- cache layout and references
-def v_transposed(kv_cache) -> bool:
-    """Whether the cache stores V transposed within each block (FP8 caches: see the module docstring)."""
-    return kv_cache.dtype == torch.float8_e4m3fn
-
-
 def v_blocks(kv_cache) -> torch.Tensor:
-    """The V half as [num_blocks, block_size, Hk, D] in token order: kv_cache[1] itself, or for an FP8 cache a
-    strided view of its transposed blocks."""
+    """The V half as [num_blocks, block_size, Hk, D] in token order: kv_cache[1] itself, or for an FP8 cache (V
+    transposed within each block) a strided view of its transposed blocks."""
     v = kv_cache[1]
-    if not v_transposed(kv_cache):
+    if kv_cache.dtype != torch.float8_e4m3fn:
         return v
     nb, bs, hk, d = v.shape
     return v.view(nb, hk, d, bs).permute(0, 3, 1, 2)
@@ -99,8 +94,8 @@ def _quantize(x, scale, dtype):
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
-def _gather_seq(kv_cache, table, n, scale_k, scale_v, dtype):
-    """-> k, v [n, Hk, D] of one sequence, dequantized to dtype."""
+def gather_kv(kv_cache, table, n, scale_k, scale_v, dtype):
+    """table: one sequence's block-table row -> its first n tokens' k, v [n, Hk, D], dequantized to dtype."""
     bs = kv_cache.shape[2]
     blocks = table[:cdiv(n, bs)].long()
     out = []
@@ -118,7 +113,7 @@ def paged_prefill_ref(q, kv_cache, query_start_loc, context_lens, block_tables, 
     qsl, lens = query_start_loc.tolist(), context_lens.tolist()
     for b, ctx_len in enumerate(lens):
         s, e = qsl[b], qsl[b + 1]
-        k, v = _gather_seq(kv_cache, block_tables[b], ctx_len, k_scale, v_scale, q.dtype)
+        k, v = gather_kv(kv_cache, block_tables[b], ctx_len, k_scale, v_scale, q.dtype)
         pos = torch.arange(ctx_len - (e - s), ctx_len, device=q.device)
         mask = torch.arange(ctx_len, device=q.device)[None, :] <= pos[:, None]
         o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k.transpose(0, 1)[None],
@@ -226,14 +221,19 @@ def _online_softmax(s, m, l):
 
 
 @helper
-def _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr, V_T: tl.constexpr):
+def _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr, V_T: tl.constexpr,
+                  DOT_ACC: tl.constexpr = False):
     """q [M, D], k [N, D], v [N, D] (V_T: [D, N]), valid [M, N] (if MASKED) -> updated running max m [M], sum l [M],
-    acc [M, D] (fp32)."""
+    acc [M, D] (fp32). DOT_ACC: P.V accumulates inside the dot (acc * alpha is its accumulator) and acc leaves out
+    V's scale, for the caller to apply once at the end."""
     s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
     if MASKED:
         s = tl.where(valid, s, float("-inf"))
     m, alpha, p, l = _online_softmax(s, m, l)
-    acc = acc * alpha[:, None] + _pv(p.to(q.dtype), v.to(q.dtype), V_T) * v_scale
+    if DOT_ACC:
+        acc = _pv(p.to(q.dtype), v.to(q.dtype), V_T, acc * alpha[:, None])
+    else:
+        acc = acc * alpha[:, None] + _pv(p.to(q.dtype), v.to(q.dtype), V_T) * v_scale
     return m, l, acc
 
 

@@ -11,8 +11,8 @@ from typing import NamedTuple
 import torch
 
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl
-from lowbit.kernels.paged_attention import (LOG2E, _block_ids, _kv_blocks, _kv_tile, _online_softmax, _output, _pv,
-                                            _scale_tensor, _softmax_step, block_gather_fits)
+from lowbit.kernels.paged_attention import (LOG2E, _block_ids, _kv_blocks, _kv_tile, _output, _scale_tensor,
+                                            _softmax_step, block_gather_fits)
 
 
 class PrefillTiles(NamedTuple):
@@ -59,22 +59,6 @@ def _tile(kv_ptr, bt_ptr, bt_row, n0, end, kvh, offs_d, half_stride, HKD: tl.con
     return _kv_tile(kv_ptr, bt_ptr, bt_row, offs_n, offs_n < end, kvh, offs_d, half_stride, HKD, D, BS, V_T)
 
 
-@helper
-def _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr, DOT_ACC: tl.constexpr,
-          V_T: tl.constexpr):
-    """Online-softmax step over one K/V tile (as _tile gives them) for q [M, D]. DOT_ACC: acc holds sum P.V
-    without V's scale (applied by the caller at the end), else as paged_attention's _softmax_step."""
-    if DOT_ACC:
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
-        if MASKED:
-            s = tl.where(valid, s, float("-inf"))
-        m, alpha, p, l = _online_softmax(s, m, l)
-        acc = _pv(p.to(q.dtype), v.to(q.dtype), V_T, acc * alpha[:, None])
-    else:
-        m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED, V_T)
-    return m, l, acc
-
-
 @kernel
 def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_ptr, qk_scale, bt_stride,
                     half_stride, HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
@@ -119,12 +103,12 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_
     for n0 in range(0, full_end, BLOCK_N):
         k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, full_end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS,
                      FP8)
-        m, l, acc = _step(q, k, v, None, m, l, acc, qk_scale, v_scale, False, DOT_ACC, FP8)
+        m, l, acc = _softmax_step(q, k, v, None, m, l, acc, qk_scale, v_scale, False, FP8, DOT_ACC)
     for n0 in range(full_end, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS, FP8)
         valid = (offs_n[None, :] < end) & (offs_n[None, :] <= pos[:, None])
-        m, l, acc = _step(q, k, v, valid, m, l, acc, qk_scale, v_scale, True, DOT_ACC, FP8)
+        m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, True, FP8, DOT_ACC)
     if DOT_ACC:
         o = acc * (v_scale / l)[:, None]
     else:

@@ -3,7 +3,7 @@ the fused QKV rows and store K/V, in one; attend).
 
 kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim], in the model dtype or float8_e4m3fn. With FP8, the
 stored value is k / k_scale (v / v_scale), the checkpoint's per-layer scalars, and V is stored transposed within
-each block (lowbit.kernels.paged_attention.v_blocks). The torch reference below runs
+each block (lowbit.kernels.paged_attention). The torch reference below runs
 everywhere; a GPU backend (Triton, issue 7) replaces it by implementing the same three functions.
 """
 import torch
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowbit.kernels.norm import quantize_fp8_ref
-from lowbit.kernels.paged_attention import store_kv_ref, v_blocks
+from lowbit.kernels.paged_attention import gather_kv, store_kv_ref
 from lowbit.kernels.rotary import rotary_qk_ref
 from lowbit.serve.context import StepContext
 
@@ -39,13 +39,10 @@ class TorchAttentionBackend:
     def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None) -> torch.Tensor:
         """q [T, Hq, D] -> out [T, Hq, D]: each new token attends to its sequence's keys up to its own position.
         out_scale: the output (in q's dtype) quantized to float8_e4m3fn with this static scale."""
-        block_size = kv_cache.shape[2]
         out = torch.empty_like(q)
         start = 0
         for b, (n, ctx_len) in enumerate(zip(ctx.query_lens_cpu, ctx.context_lens_cpu)):
-            blocks = ctx.block_tables[b, :(ctx_len + block_size - 1) // block_size]
-            k = _dequantize(_gather(kv_cache[0], blocks, ctx_len), k_scale, q.dtype)
-            v = _dequantize(_gather(v_blocks(kv_cache), blocks, ctx_len), v_scale, q.dtype)
+            k, v = gather_kv(kv_cache, ctx.block_tables[b], ctx_len, k_scale, v_scale, q.dtype)
             qb = q[start:start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
             mask = None  # a whole prompt at once: is_causal; a later chunk: query i sits at ctx_len - n + i
             if 1 < n < ctx_len:
@@ -56,21 +53,6 @@ class TorchAttentionBackend:
             out[start:start + n] = o[0].transpose(0, 1)
             start += n
         return out if out_scale is None else quantize_fp8_ref(out, out_scale)
-
-
-def _bits(x):
-    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
-
-
-def _gather(cache, blocks, n):
-    """cache [num_blocks, block_size, Hk, D], blocks [b] -> the first n tokens [n, Hk, D]."""
-    return _bits(cache)[blocks].flatten(0, 1)[:n].view(cache.dtype)
-
-
-def _dequantize(x, scale, dtype):
-    if x.dtype != torch.float8_e4m3fn:
-        return x
-    return (x.float() * scale).to(dtype)
 
 
 _backend = TorchAttentionBackend()
