@@ -166,8 +166,10 @@ def test_fp8_cache_stores_v_transposed_per_block():
 def test_decode_variant_depends_on_shapes_only():
     """One choice per (batch, KV heads, cache dtype): a CUDA graph captured at a batch size stays valid."""
     assert pa.decode_variant(1, 8, True) == pa.DECODE_VARIANTS["blk64w2s3"]  # split context
-    assert pa.decode_variant(256, 8, True) == pa.DECODE_VARIANTS["blk64w2s3"]
-    assert pa.decode_variant(512, 8, True) == pa.DECODE_VARIANTS["blk64w2s3"]
+    assert pa.decode_variant(64, 8, True) == pa.DECODE_VARIANTS["blk64w2s3"]
+    assert pa.decode_variant(255, 8, True) == pa.DECODE_VARIANTS["blk64w2s3"]
+    assert pa.decode_variant(256, 8, True) == pa.DECODE_VARIANTS["blk32w2s3"]  # the grid fills the card
+    assert pa.decode_variant(512, 8, True) == pa.DECODE_VARIANTS["blk32w2s3"]
     assert pa.decode_variant(512, 8, False) == pa.DECODE_VARIANTS["rows64"]
 
 

@@ -46,18 +46,25 @@ class DecodeVariant(NamedTuple):
 #   blk128w2 (V^T, 1 stage)    471.1  54.7  94.6  170.6  165.5  24.8  73.8
 #   blk64w2s3 (V^T, 3 stages)  400.4  49.4  82.0  148.5  143.7  25.8  56.0   (3.95 TB/s at 512x1500)
 #   blk64w4s3 / blk32w4s4      546.5 / 540.7 at 512x1500; 8 warps 770-785 (run 36)
+# Run 38 (one call, same card): blk64w2s3 409.2 49.0 81.9 151.6 146.5; blk32w2s3 (121 registers, 4 warps per
+# scheduler) 393.3 45.1 74.7 144.4 163.1: 32-token tiles win wherever 2048+ programs fill the card, lose at 64 x 4096;
+# blk32w2s4, blk64w2s4 and a 168-register cap on blk64w2s3 gained nowhere.
 # Lost everywhere before: bit-trick e4m3 -> fp16 by integer ops (+30 %), K/V converted right after the loads,
 # register prefetch of the next tile, 8 warps, 64-token tiles without pipelining.
 DECODE_VARIANTS = {
     "rows64": DecodeVariant(64, 4, 3),  # bf16 KV
     "blk128w2": DecodeVariant(128, 2, 1, blocks=True),  # FP8 KV, the default until run 37
-    "blk64w2s3": DecodeVariant(64, 2, 3, blocks=True),  # FP8 KV
+    "blk64w2s3": DecodeVariant(64, 2, 3, blocks=True),  # FP8 KV, fewer than FULL_GRID programs
+    "blk32w2s3": DecodeVariant(32, 2, 3, blocks=True),  # FP8 KV, FULL_GRID programs or more
 }
+FULL_GRID = 2048  # batch x KV heads from which FP8 decode takes 32-token tiles (run 38: 256 x 8 and up)
 
 
 def decode_variant(batch: int, num_kv_heads: int, fp8: bool) -> DecodeVariant:
     """The tiles for a decode launch: from shapes only, so one CUDA graph per batch size stays valid."""
-    return DECODE_VARIANTS["blk64w2s3" if fp8 else "rows64"]
+    if not fp8:
+        return DECODE_VARIANTS["rows64"]
+    return DECODE_VARIANTS["blk32w2s3" if batch * num_kv_heads >= FULL_GRID else "blk64w2s3"]
 
 
 MAX_SPLITS = 16
