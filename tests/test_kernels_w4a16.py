@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 
 from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.checkpoint.formats import dequantize_weight  # noqa: E402
-from lowbit.kernels import w4a16  # noqa: E402
+from lowbit.kernels import w4_small_m, w4a16  # noqa: E402
 from lowbit.kernels.synthetic import quantize_linear  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(),
@@ -60,3 +60,40 @@ def test_unsupported_group_is_refused_by_the_packer():
     t = quantize_linear("W4A16_AWQ", w, group=48)
     with pytest.raises(ValueError, match="group size 48"):
         w4a16.pack_int4(t["weight"], t["weight_scale"])
+
+
+@pytest.mark.parametrize("fmt,m,k,group,split", [("int4", 3, 256, 128, 1), ("int4", 16, 320, 64, 2),
+                                                 ("int4", 5, 512, 256, 2), ("int4", 2, 160, 32, 1),
+                                                 ("int4", 7, 256, 16, 1), ("nvfp4", 2, 256, 16, 1),
+                                                 ("nvfp4", 9, 208, 16, 2)])
+def test_small_m_kernel_matches_reference(fmt, m, k, group, split):
+    """w4_small_m (nibble planes, x copied into plane order) against the fp32 reference: groups of 16 to 256,
+    ragged K (padded to 128), pre_quant_scale, bias, K splits, a partial last N block."""
+    n = 80
+    g = torch.Generator().manual_seed(m)
+    smooth = (0.5 + torch.rand(k, generator=g)).half() if fmt == "int4" else None
+    _, packed = _packed(fmt, n, k, group, smooth, seed=k)
+    x = torch.randn(m, k, generator=g).half()
+    bias = torch.randn(n, generator=g).half()
+    out = w4_small_m.w4_small_m(x, packed, bias, config=(32, split, 4, 1))
+    assert out.shape == (m, n) and out.dtype == torch.float16
+    assert rel_err(out, w4a16.w4a16_gemm_ref(x, packed, bias)) < 2e-3
+
+
+def test_x_planes_order():
+    """Element 16s + j of each 128-tile of x_planes is x[128t + 8j + s]."""
+    _, packed = _packed("int4", 8, 160, group=32)  # K = 160 -> KP = 256: zero padding past K
+    x = torch.randn(3, 160).half()
+    planes = w4_small_m.x_planes(x, packed).view(3, 2, 8, 16)
+    t, s, j = 1, 5, 3
+    assert planes[2, t, s, j] == x[2, 128 * t + 8 * j + s]
+    back = planes.transpose(2, 3).reshape(3, 256)  # natural order again
+    assert back[:, :160].equal(x) and back[:, 160:].abs().sum() == 0
+
+
+def test_small_m_dispatch():
+    """w4a16_gemm hands 2 <= M <= 16 of large INT4 layers to w4_small_m (where the H200 measured it faster)."""
+    assert w4_small_m.takes(2, 28672, 4096, "int4") and w4_small_m.takes(16, 4096, 14336, "int4")
+    assert not w4_small_m.takes(1, 28672, 4096, "int4") and not w4_small_m.takes(17, 28672, 4096, "int4")
+    assert not w4_small_m.takes(16, 6144, 4096, "int4")  # qkv-sized: the tensor-core kernel was as fast
+    assert not w4_small_m.takes(16, 28672, 4096, "nvfp4")

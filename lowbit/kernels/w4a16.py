@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.checkpoint.formats import NVFP4_BLOCK, nvfp4_dequantize, unpack_e2m1, unpack_int4_rows
-from lowbit.kernels import w4_gemv
+from lowbit.kernels import w4_gemv, w4_small_m
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton
 
 PACK_K = 128
@@ -148,7 +148,7 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K,
     s8 = tl.arange(0, 8)
     kk = tl.arange(0, 128)
     n_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: weight loads need no mask, stores are masked
-    m_rows = tl.minimum(offs_m, M - 1).to(tl.int64)
+    m_ok = offs_m < M
     w_ptrs = w_ptr + n_rows[:, None] * w_stride + tl.arange(0, 16)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     t_begin = pid_k * tiles_per_split
@@ -159,7 +159,10 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K,
         sc_next = _tile_scales(s_ptr, tl.minimum(t + 1, t_end - 1), n_rows, s8, N, IS_FP4, GROUP)  # prefetch
         nib = _nibbles(tl.load(w_ptrs + t * 16))  # [BLOCK_N, 16, 2, 2, 2]
         k = t * 128 + kk
-        xs = tl.load(x_ptr + m_rows[None, :] * K + k[:, None], mask=k[:, None] < K, other=0.0)  # [128, BLOCK_M]
+        # [128, BLOCK_M]; rows past M masked, not clamped: a clamped row is read BLOCK_M - M + 1 times by every
+        # program, and those L2 lines become a hot spot at small M
+        xs = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * K + k[:, None], mask=(k[:, None] < K) & m_ok[None, :],
+                     other=0.0)
         if HAS_SMOOTH:
             sm = tl.load(smooth_ptr + k, mask=k < K, other=0.0).to(xs.dtype).to(tl.float32)
             xs = (xs.to(tl.float32) * sm[:, None]).to(xs.dtype)
@@ -271,15 +274,18 @@ def choose_config(M: int, N: int, KP: int, fmt: str = "int4"):
 
 
 def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
-    """x [M, K] bf16/fp16 -> [M, N] in x's dtype. Decode (M <= w4_gemv.GEMV_MAX_M) runs the CUDA-core GEMV,
-    larger M (or an explicit tensor-core `config`) the tensor-core kernel below."""
+    """x [M, K] bf16/fp16 -> [M, N] in x's dtype. Decode (M <= w4_gemv.GEMV_MAX_M) runs the CUDA-core GEMV, small
+    batches of large INT4 layers w4_small_m (w4_small_m.takes), the rest (or an explicit tensor-core `config`) the
+    tensor-core kernel below."""
     if not use_triton(x):
         return w4a16_gemm_ref(x, w, bias)
     x = x.contiguous()
     M, K = x.shape
+    N, KP = w.out_features, w.qweight.shape[1] * 8
     if config is None and M <= w4_gemv.GEMV_MAX_M:
         return w4_gemv.w4_gemv(x, w, bias)
-    N, KP = w.out_features, w.qweight.shape[1] * 8
+    if config is None and w4_small_m.takes(M, N, KP, w.fmt):
+        return w4_small_m.w4_small_m(x, w, bias)
     block_m, block_n, split, warps, stages = config or choose_config(M, N, KP, w.fmt)
     tiles = KP // PACK_K
     tiles_per_split = cdiv(tiles, split)
@@ -294,7 +300,13 @@ def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
         HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None and split == 1,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     if split > 1:
-        block = 1024
-        _split_sum_kernel[(cdiv(M * N, block),)](target, bias if bias is not None else target, out, M * N, N,
-                                                 SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+        split_sum(target, bias, out)
     return out
+
+
+def split_sum(partials, bias, out) -> None:
+    """out [M, N] = partials [split, M, N] (fp32) summed over the splits (+ bias), in out's dtype."""
+    split, M, N = partials.shape
+    block = 1024
+    _split_sum_kernel[(cdiv(M * N, block),)](partials, bias if bias is not None else partials, out, M * N, N,
+                                             SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
