@@ -18,6 +18,7 @@ _TORCH = {np.int64: torch.int64, np.int32: torch.int32}
 # int argument, which Triton specializes on divisibility by 16, so a width that only grows would compile a new kernel
 # variant (~1 s, mid-run) the first step the longest table reaches 16 * k blocks.
 TABLE_WIDTH_MULTIPLE = 16
+UPLOAD_ALIGN_BYTES = 16
 
 
 class ModelRunner:
@@ -113,12 +114,17 @@ class ModelRunner:
         return ids, ctx
 
     def _upload(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
-        """One host-to-device copy for several arrays (through pinned memory on CUDA); device views, same shapes."""
-        sizes = [a.size for a in arrays]
-        host = torch.empty(sum(sizes), dtype=_TORCH[dtype], pin_memory=self.device.type == "cuda")
-        np.concatenate([a.ravel() for a in arrays], out=host.numpy(), casting="unsafe")
+        """One host-to-device copy for several arrays (through pinned memory on CUDA); device views, same shapes.
+        Each view starts on a 16-byte boundary: Triton specializes kernels on pointer alignment, so views at
+        batch-dependent offsets would compile new variants mid-serving (~1 s each, benchmarks.md run 38)."""
+        align = UPLOAD_ALIGN_BYTES // np.dtype(dtype).itemsize
+        starts = np.cumsum([0] + [-(-a.size // align) * align for a in arrays])
+        host = torch.empty(int(starts[-1]), dtype=_TORCH[dtype], pin_memory=self.device.type == "cuda")
+        flat_host = host.numpy()
+        for a, start in zip(arrays, starts.tolist()):
+            flat_host[start:start + a.size] = a.ravel()
         flat = host.to(self.device, non_blocking=True)  # the pinned block is not reused before the copy is done
-        return [t.view(a.shape) for t, a in zip(flat.split(sizes), arrays)]
+        return [flat[start:start + a.size].view(a.shape) for a, start in zip(arrays, starts.tolist())]
 
     @torch.inference_mode()
     def run(self, batch: Batch, logit_rows: list[list[int]], pending: "PendingTokens | None" = None
