@@ -14,11 +14,13 @@ acc [BLOCK_N, BLOCK_M] = W_tile @ x^T: small M sits in the MMA's N dimension.
   scale, rounded to x's dtype, before the dot (as w4a16).
 - NVFP4: the e2m1 code's bits placed in an fp16 (value * 2^-14, exact) times the e4m3 block scale (exact in fp16),
   fp16 dots; the global scale and 2^14 are applied once at the end (as w4a16).
-Splits K across programs when N alone gives too few programs; partials are summed by w4a16's split-sum kernel.
+Splits K across programs when N alone gives too few programs; partials are summed by
+lowbit.kernels.split_k.
 """
 import torch
 import torch.nn.functional as F
 
+from lowbit.kernels import split_k
 from lowbit.kernels._triton import cdiv, helper, kernel, tl, use_triton
 
 SMALL_M_MAX = 16  # one MMA N tile (BLOCK_M = 16)
@@ -87,19 +89,12 @@ def _w4_small_m_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, KP, w_strid
             acc += part
         else:
             acc += part * sc[:, None]
-    out = acc * global_scale
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + n_rows).to(tl.float32)[:, None]
-    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-    out_ptrs = out_ptr + pid_k * M * N + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    split_k.store_out_t(acc, out_ptr, bias_ptr, pid_k, M, N, offs_m, offs_n, n_rows, global_scale, HAS_BIAS)
 
 
 def w4_small_m(x, w, bias=None, config=None):
     """x [M, K] bf16/fp16, 2 <= M <= SMALL_M_MAX -> [M, N] in x's dtype; w a lowbit.kernels.w4a16.W4Weight.
     config (BLOCK_N, split, num_warps, num_stages), default choose_config."""
-    from lowbit.kernels.w4a16 import split_sum
-
     assert use_triton(x)
     x = x.contiguous()
     M, K = x.shape
@@ -110,14 +105,14 @@ def w4_small_m(x, w, bias=None, config=None):
     tiles_per_split = cdiv(tiles, split)
     split = cdiv(tiles, tiles_per_split)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    target = split_k.partials_or_out(split, out)
     _w4_small_m_kernel[(cdiv(N, block_n), split)](
         x_planes(x, w), w.qweight, w.scales, bias if bias is not None else x, target, M, N, KP, KP // 8, tiles,
         tiles_per_split, w.global_scale * (2.0**14 if w.fmt == "nvfp4" else 1.0), IS_FP4=w.fmt == "nvfp4",
         X_BF16=x.dtype == torch.bfloat16, GROUP=w.group, HAS_BIAS=bias is not None and split == 1,
         BLOCK_M=16, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     if split > 1:
-        split_sum(target, bias, out)
+        split_k.split_sum(target, bias, out)
     return out
 
 

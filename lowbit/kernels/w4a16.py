@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.checkpoint.formats import NVFP4_BLOCK, nvfp4_dequantize, unpack_e2m1, unpack_int4_rows
-from lowbit.kernels import w4_gemv, w4_small_m
+from lowbit.kernels import split_k, w4_gemv, w4_small_m
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton
 
 PACK_K = 128
@@ -183,25 +183,7 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K,
             else:  # one scale per row and 16-wide block: dequantize the weights (rounded to x's dtype)
                 w5 = (w5.to(tl.float32) * sc[:, :, None, None, None]).to(xs.dtype)
                 acc = tl.dot(tl.reshape(w5, (BLOCK_N, 128)), xs, acc)
-    out = acc * global_scale
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + n_rows).to(tl.float32)[:, None]
-    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-    out_ptrs = out_ptr + pid_k * M * N + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@kernel
-def _split_sum_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    split_k.store_out_t(acc, out_ptr, bias_ptr, pid_k, M, N, offs_m, offs_n, n_rows, global_scale, HAS_BIAS)
 
 
 # (fmt, KP, N, M bucket) -> (BLOCK_M, BLOCK_N, split, num_warps, num_stages): winners of the H200 sweep
@@ -291,7 +273,7 @@ def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
     tiles_per_split = cdiv(tiles, split)
     split = cdiv(tiles, tiles_per_split)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    target = split_k.partials_or_out(split, out)
     grid = (cdiv(N, block_n), split, cdiv(M, block_m))
     _w4_gemm_kernel[grid](
         x, w.qweight, w.scales, w.smooth if w.smooth is not None else x, bias if bias is not None else x,
@@ -300,13 +282,6 @@ def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
         HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None and split == 1,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     if split > 1:
-        split_sum(target, bias, out)
+        split_k.split_sum(target, bias, out)
     return out
 
-
-def split_sum(partials, bias, out) -> None:
-    """out [M, N] = partials [split, M, N] (fp32) summed over the splits (+ bias), in out's dtype."""
-    split, M, N = partials.shape
-    block = 1024
-    _split_sum_kernel[(cdiv(M * N, block),)](partials, bias if bias is not None else partials, out, M * N, N,
-                                             SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
