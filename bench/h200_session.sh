@@ -7,6 +7,8 @@
 #   bash bench/h200_session.sh prefill  # prefill tiles inside whole steps (mixed and prefill), SM clock and power
 #   bash bench/h200_session.sh ncu      # Nsight Compute reports of FP8 / bf16 decode attention, INT4 GEMV, fp8_small_m
 #   bash bench/h200_session.sh tiles    # FP8 decode and prefill tile candidates for the V-transposed cache
+#   bash bench/h200_session.sh w4       # W4A16 at M = 2-16: checks, sweep, times; int4_awq / nvfp4 decode steps
+#   bash bench/h200_session.sh compiles # 768 x 1000/1000: slow steps and the Triton kernels first built mid-run
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -73,6 +75,24 @@ tiles)
     timeout 200 python3 bench/prefill_tiles.py --kv fp8 --configs "None;(32, 64, 8, 3, True, True, True);\
 (32, 32, 8, 3, True, True, True);(32, 64, 8, 2, True, True, True)" --json "$OUT/prefill_tiles.json" 2>&1 | grep -E '^\||FAIL'
     ;;
+w4)
+    part "W4A16 at M = 2-16 (w4_small_m and the tensor-core kernel) against the reference, then a sweep and times"
+    timeout 330 python3 bench/w4_small_m_bench.py --budget-s 150 --json "$OUT/w4_small_m.json" 2>&1 \
+        | grep -v '"kind": "sweep"' | grep -v '"kind": "check".*PASS' | grep -v '"kind": "time"'
+    part "engine vs reference, int4_awq and nvfp4"
+    timeout 100 python3 bench/serve_diag.py --phases check --formats int4_awq,nvfp4 2>&1 | grep '"format"' | cut -c1-300
+    for f in int4_awq nvfp4; do
+        part "$f decode steps at batch 2, 16, 64 (device time per step)"
+        timeout 120 python3 bench/kernel_profile.py --format $f --decode 2x512,16x512,64x512 --prefill '' --top 4 \
+            2>&1 | grep -E '^## |^\| _'
+    done
+    ;;
+compiles)
+    part "FP8 768 x 1000/1000: steps over 400 ms and the Triton kernel variants first built during the run"
+    timeout 250 python3 bench/step_profile.py --max-batch-size 768 --requests 768 --isl 1000 --osl 1000 \
+        --overlap on --slow-ms 400 --compiles 2>&1 | grep -E 'overlap=|slow step|first built|Error' \
+        | sed 's/.histogram_ms.*//'
+    ;;
 ncu)
     part "Nsight Compute (full set, clocks as they run) of one launch of each kernel; reports and text in \$OUT"
     for t in "decode_fp8 _decode_kernel decode --kv fp8" "decode_bf16 _decode_kernel decode --kv bf16" \
@@ -88,7 +108,7 @@ ncu)
     done
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles" >&2
     exit 2
     ;;
 esac

@@ -121,12 +121,26 @@ class StepTrace:
             raise ValueError(f"--trace {self.first}:{self.stop}: the run ended after {steps} steps")
 
 
-def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0.0, trace=None) -> dict:
+def watch_compiles(step_no: list, compiled: list):
+    """Triton's hook before every new kernel variant (a specialization not yet in memory: a compile, ~1 s, or a
+    disk-cache load): records [step, kernel]. Returns the previous hook, to put back."""
+    import triton
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        compiled.append([step_no[0], fn.name])
+        return None  # go on compiling
+    previous, triton.knobs.runtime.jit_cache_hook = triton.knobs.runtime.jit_cache_hook, hook
+    return previous
+
+
+def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0.0, trace=None,
+        compiles: bool = False) -> dict:
     """All requests at once; per step wall time, of which waiting for the device, scheduling, launching (and
     within launching: building the inputs, the graph replay call, queuing the sampler). GPU engines only.
     slow_ms > 0: also lists the steps slower than that, with what they and the step before scheduled (with
     overlapped steps a step's wall time is mostly the device time of the step launched before it).
-    trace (first, stop): device_gaps of steps first..stop-1 under torch.profiler (CUDA activity only)."""
+    trace (first, stop): device_gaps of steps first..stop-1 under torch.profiler (CUDA activity only).
+    compiles: also lists the Triton kernel variants first built during the run, with their step."""
     totals = collections.Counter()
     in_flight_results = engine_module.InFlight.results
     engine_module.InFlight.results = timed(in_flight_results, totals, "wait")
@@ -144,6 +158,8 @@ def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0
     if graphs:
         graphs.run = timed(replay, totals, "launch.graph_replay")
     engine.sampler.sample = timed(sample, totals, "launch.sample")
+    compiled = []
+    previous_hook = watch_compiles(step_no, compiled) if compiles else None
     try:
         params = SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
         sb = load_script("serve_bench.py")
@@ -177,11 +193,14 @@ def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0
         engine.runner.prepare, engine.sampler.sample = prepare, sample
         if graphs:
             graphs.run = replay
+        if compiles:
+            import triton
+            triton.knobs.runtime.jit_cache_hook = previous_hook
     per_step = {k: round(1e3 * v / steps, 3) for k, v in totals.items()}
     return {"steps": steps, "seconds": round(total, 2), "output_tok_s": round(requests * osl / total),
             "ms_per_step": round(1e3 * total / steps, 3), "ms_per_step_parts": per_step,
             "histogram_ms": dict(sorted(histogram.items())), **({"slow_steps": slow} if slow_ms else {}),
-            **({"trace": tracer.result} if trace else {})}
+            **({"trace": tracer.result} if trace else {}), **({"compiled": compiled} if compiles else {})}
 
 
 def main(argv=None):
@@ -195,6 +214,7 @@ def main(argv=None):
     p.add_argument("--slow-ms", type=float, default=0.0, help="list the steps slower than this (0: none)")
     p.add_argument("--trace", default="", help="FIRST:STOP: the device's idle gaps in steps FIRST..STOP-1")
     p.add_argument("--no-gc", action="store_true", help="Python's garbage collector off during the measured runs")
+    p.add_argument("--compiles", action="store_true", help="list Triton kernel variants first built mid-run")
     a = p.parse_args(argv)
     modes = {"on": (1, True), "off": (2, False)}
     if not a.overlap or set(a.overlap.split(",")) - set(modes):
@@ -213,14 +233,16 @@ def main(argv=None):
         if a.no_gc:
             gc.collect()
             gc.disable()
-        res = run(engine, a.requests, a.isl, a.osl, seed=seed, slow_ms=a.slow_ms, trace=trace)
+        res = run(engine, a.requests, a.isl, a.osl, seed=seed, slow_ms=a.slow_ms, trace=trace, compiles=a.compiles)
         gc.enable()
-        slow, traced = res.pop("slow_steps", []), res.pop("trace", None)
+        slow, traced, compiled = res.pop("slow_steps", []), res.pop("trace", None), res.pop("compiled", None)
         print(f"{a.format} batch {a.max_batch_size} overlap={overlap} gc={'off' if a.no_gc else 'on'}: {res}",
               flush=True)
         for row in slow:
             print(f"  slow step {row['step']}: {row['ms']} ms (device: launched before {row['device_ms'][-1]} ms, "
                   f"this {row['device_ms'][0]} ms); this: {row['this']}; before: {row['before']}")
+        if compiled is not None:
+            print(f"  kernel variants first built during the run: {compiled or 'none'}")
         if traced:
             longest = traced.pop("longest")
             print(f"  trace: {traced}")

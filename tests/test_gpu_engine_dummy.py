@@ -163,3 +163,26 @@ def test_gpu_fp8_cache_refuses_block_size_not_a_power_of_two(monkeypatch):
     monkeypatch.setattr(model_runner, "_use_gpu_attention", lambda on_cuda: True)
     with pytest.raises(ValueError, match="block_size 24: an FP8 KV cache on the GPU needs a power of two"):
         bench.build_engine(bench.parse(["--tiny", "--device", "cpu"]), "fp8", block_size=24, num_kv_blocks=64)
+
+
+def test_step_profile_lists_kernel_variants_built_mid_run():
+    """bench/step_profile.py --compiles: Triton's pre-compile hook records [step, kernel] while the run lasts and is
+    put back afterwards. The tiny CPU engine builds no compiled kernel (the interpreter): an empty list."""
+    from types import SimpleNamespace
+
+    triton = pytest.importorskip("triton")
+    sp, bench = load_script("step_profile.py"), load_bench()
+    engine = bench.build_engine(bench.parse(["--tiny", "--device", "cpu"]), "bf16", max_batch_size=4,
+                                max_num_tokens=64, num_kv_blocks=64)
+    before = triton.knobs.runtime.jit_cache_hook
+    assert sp.run(engine, 2, 8, 2, seed=1, compiles=True)["compiled"] == []
+    assert triton.knobs.runtime.jit_cache_hook is before
+    step_no, compiled = [7], []
+    previous = sp.watch_compiles(step_no, compiled)
+    try:
+        hook = triton.knobs.runtime.jit_cache_hook
+        assert hook(key=None, repr="", fn=SimpleNamespace(name="_decode_kernel"), compile={},
+                    is_manual_warmup=False, already_compiled=False) is None  # None: compile as usual
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+    assert compiled == [[7, "_decode_kernel"]]
