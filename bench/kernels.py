@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from lowbit.bench_cli import load_script
 from lowbit.kernels import linear, prepare_linear, rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref
 from lowbit.kernels import scaled_gemm as sg
-from lowbit.kernels import w4_gemv, w4a16
+from lowbit.kernels import w4_gemv, w4_small_m, w4a16
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out): qkv, o, gate_up, down
 MS = [1, 16, 64, 256, 4096]
@@ -288,10 +288,18 @@ def bench_gemms(shapes, ms, variants, dev, reps, w4_best=None):
                     cfg = None if gemv else (w4_best or {}).get((v, k, n, m))
                     rows.append(guarded(bench_one, v, k, n, m, dev, reps, cfg))
                     if v.startswith("w4_"):
-                        rows[-1]["config"] = ("gemv", w4_gemv.GEMV_CONFIG) if gemv else \
-                            cfg or w4a16.choose_config(m, n, k, v[3:])
+                        rows[-1]["config"] = w4_label(v[3:], k, n, m, gemv, cfg)
                     print(f"{v} {m}x{k}->{n}: {rows[-1]['us']:.1f} us {rows[-1].get('config', '')}", flush=True)
     return rows
+
+
+def w4_label(fmt, k, n, m, gemv, cfg):
+    """The kernel and config that w4a16_gemm ran (cfg: a swept tensor-core config, None: its own dispatch)."""
+    if gemv:
+        return "gemv", w4_gemv.GEMV_CONFIG
+    if cfg is None and w4_small_m.takes(m, n, k, fmt):
+        return "small_m", w4_small_m.choose_config(m, n, k, fmt)
+    return cfg or w4a16.choose_config(m, n, k, fmt)
 
 
 def guarded(fn, variant, k, n, m, *args):
