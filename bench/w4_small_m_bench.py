@@ -4,7 +4,7 @@
 1. checks w4_small_m against w4a16_gemm_ref (fp32 math) on fresh random inputs: INT4 groups 128 / 32 / 16, NVFP4,
    bf16 and fp16 x, pre_quant_scale and bias, ragged K and odd N, M in {2, 5, 16}, with and without K splits;
    rel err < TOL (both rounded to x's dtype); exit 1 if any check fails.
-2. sweeps (BLOCK_N, split, num_warps, num_stages) at M = 16 on the Llama-3.1-8B shapes, both formats.
+2. sweeps (BLOCK_N, split, num_warps, num_stages, BLOCK_M) at M = 16 on the Llama-3.1-8B shapes, both formats.
 3. times the best config per shape at M in {2, 4, 8, 16} against the tensor-core kernel w4a16_gemm runs today and
    cuBLAS bf16 (F.linear) at the same M. Timing as bench/w4_gemv_bench.py (CUDA-graph medians, weights from HBM).
 JSON lines, then a markdown table.
@@ -27,38 +27,41 @@ gemv_bench = load_script("w4_gemv_bench.py")
 SHAPES = gemv_bench.SHAPES
 TOL = 4e-3  # bf16 planes dequantized per word (groups < 128) round each weight once: ~1e-3 measured on the CPU
 M_TIMED = (2, 4, 8, 16)
-SWEEP = [(bn, split, warps, stages) for (bn, warps), split, stages in
-         itertools.product([(64, 4), (128, 4), (128, 8)], [1, 2, 4, 8, 16], [2, 3, 4])]
+# (BLOCK_N, split, num_warps, num_stages, BLOCK_M). 8 warps take BLOCK_M 32: at 16 the x planes (512 bytes) leave
+# under 4 bytes per thread, and Triton loads them synchronously (run 38's 8-warp configs lost)
+SWEEP = [(bn, split, warps, stages, bm) for (bn, warps, bm), split, stages in
+         itertools.product([(64, 4, 16), (128, 4, 16), (128, 8, 32), (256, 8, 32)], [1, 2, 4, 8, 16], [2, 3, 4])]
 
 
 def check_cases():
-    """(fmt, K, N, group, x dtype, smooth, bias, M, split or None for choose_config)."""
+    """(fmt, K, N, group, x dtype, smooth, bias, M, config or None for choose_config)."""
     cases = []
     for (_, k, n), m in itertools.product(SHAPES, (2, 16)):
         cases += [("int4", k, n, 128, torch.bfloat16, False, False, m, None),
                   ("nvfp4", k, n, 16, torch.bfloat16, False, False, m, None)]
-    cases += [("int4", 1152, 1030, 128, torch.bfloat16, True, True, 5, 1),
-              ("int4", 1152, 1030, 128, torch.bfloat16, True, True, 5, 4),
-              ("nvfp4", 2000, 1001, 16, torch.bfloat16, True, True, 16, 2),
-              ("int4", 4096 + 416, 102, 32, torch.float16, True, True, 3, 2),
-              ("int4", 3088, 66, 16, torch.bfloat16, False, True, 16, 1),
-              ("nvfp4", 14336, 130, 16, torch.float16, True, False, 7, 8)]
+    cases += [("int4", 1152, 1030, 128, torch.bfloat16, True, True, 5, (64, 1, 4, 3)),
+              ("int4", 1152, 1030, 128, torch.bfloat16, True, True, 5, (64, 4, 4, 3)),
+              ("nvfp4", 2000, 1001, 16, torch.bfloat16, True, True, 16, (64, 2, 4, 3)),
+              ("int4", 4096 + 416, 102, 32, torch.float16, True, True, 3, (64, 2, 4, 3)),
+              ("int4", 3088, 66, 16, torch.bfloat16, False, True, 16, (64, 1, 4, 3)),
+              ("nvfp4", 14336, 130, 16, torch.float16, True, False, 7, (64, 8, 4, 3)),
+              ("int4", 4096, 28672, 128, torch.bfloat16, False, False, 9, (128, 4, 8, 3, 32)),
+              ("nvfp4", 4096, 6144, 16, torch.bfloat16, False, True, 16, (256, 8, 8, 3, 32))]
     return cases
 
 
 def run_checks(emit) -> bool:
     ok_all = True
-    for fmt, k, n, group, dtype, smooth, bias, m, split in check_cases():
+    for fmt, k, n, group, dtype, smooth, bias, m, config in check_cases():
         torch.manual_seed(k * 7 + n + m)
         w = gemv_bench.random_weight(fmt, k, n, group, smooth)
         x = torch.randn(m, k, device="cuda").to(dtype)
         b = torch.randn(n, device="cuda").to(dtype) if bias else None
-        config = None if split is None else (64, split, 4, 3)
         out = w4_small_m.w4_small_m(x, w, b, config)
         err = gemv_bench.rel_err(out, w4a16.w4a16_gemm_ref(x, w, b))
         ok = bool(torch.isfinite(out).all()) and err < TOL
         ok_all &= ok
-        emit({"kind": "check", "fmt": fmt, "group": group, "K": k, "N": n, "M": m, "split": split,
+        emit({"kind": "check", "fmt": fmt, "group": group, "K": k, "N": n, "M": m, "config": config,
               "dtype": str(dtype).removeprefix("torch."), "smooth": smooth, "bias": bias, "rel_err": err,
               "tol": TOL, "result": "PASS" if ok else "FAIL"})
     return ok_all

@@ -75,9 +75,11 @@ def test_small_m_kernel_matches_reference(fmt, m, k, group, split):
     _, packed = _packed(fmt, n, k, group, smooth, seed=k)
     x = torch.randn(m, k, generator=g).half()
     bias = torch.randn(n, generator=g).half()
-    out = w4_small_m.w4_small_m(x, packed, bias, config=(32, split, 4, 1))
-    assert out.shape == (m, n) and out.dtype == torch.float16
-    assert rel_err(out, w4a16.w4a16_gemm_ref(x, packed, bias)) < 2e-3
+    ref = w4a16.w4a16_gemm_ref(x, packed, bias)
+    for config in ((32, split, 4, 1), (32, split, 4, 1, 32)):  # BLOCK_M 16 and 32 (rows past M masked)
+        out = w4_small_m.w4_small_m(x, packed, bias, config=config)
+        assert out.shape == (m, n) and out.dtype == torch.float16
+        assert rel_err(out, ref) < 2e-3
 
 
 def test_x_planes_order():

@@ -94,13 +94,15 @@ def _w4_small_m_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, KP, w_strid
 
 def w4_small_m(x, w, bias=None, config=None):
     """x [M, K] bf16/fp16, 2 <= M <= SMALL_M_MAX -> [M, N] in x's dtype; w a lowbit.kernels.w4a16.W4Weight.
-    config (BLOCK_N, split, num_warps, num_stages), default choose_config."""
+    config (BLOCK_N, split, num_warps, num_stages[, BLOCK_M]), default choose_config; BLOCK_M 16 (the default) or 32:
+    rows past M are masked, and at 8 warps a 32-wide x plane (1 KB) still gives every thread a 4-byte
+    asynchronous copy (at 16 wide Triton loads it synchronously, with a fence per plane: offline SASS)."""
     assert use_triton(x)
     x = x.contiguous()
     M, K = x.shape
     assert M <= SMALL_M_MAX, M
     N, KP = w.out_features, w.qweight.shape[1] * 8
-    block_n, split, warps, stages = config or choose_config(M, N, KP, w.fmt)
+    block_n, split, warps, stages, *block_m = config or choose_config(M, N, KP, w.fmt)
     tiles = KP // TILE_K
     tiles_per_split = cdiv(tiles, split)
     split = cdiv(tiles, tiles_per_split)
@@ -110,7 +112,7 @@ def w4_small_m(x, w, bias=None, config=None):
         x_planes(x, w), w.qweight, w.scales, bias if bias is not None else x, target, M, N, KP, KP // 8, tiles,
         tiles_per_split, w.global_scale * (2.0**14 if w.fmt == "nvfp4" else 1.0), IS_FP4=w.fmt == "nvfp4",
         X_BF16=x.dtype == torch.bfloat16, GROUP=w.group, HAS_BIAS=bias is not None and split == 1,
-        BLOCK_M=16, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m[0] if block_m else 16, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     if split > 1:
         split_k.split_sum(target, bias, out)
     return out
