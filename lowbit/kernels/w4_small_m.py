@@ -24,6 +24,7 @@ from lowbit.kernels import split_k
 from lowbit.kernels._triton import cdiv, helper, kernel, tl, use_triton
 
 SMALL_M_MAX = 16  # one MMA N tile (BLOCK_M = 16)
+LARGE_LAYER = 32 * 2**20  # weights per layer (N x KP) from which `takes` routes INT4 here
 TILE_K = 128  # w4a16.PACK_K: 16 words per row (the kernel's literal 128)
 
 
@@ -137,8 +138,6 @@ def takes(M: int, N: int, KP: int, fmt: str) -> bool:
     its per-plane block scales cost more than the unpacking they replace)."""
     return fmt == "int4" and 2 <= M <= SMALL_M_MAX and N * KP >= LARGE_LAYER
 
-
-LARGE_LAYER = 32 * 2**20  # weights per layer (N x KP)
 
 
 def choose_config(M: int, N: int, KP: int, fmt: str):
