@@ -48,9 +48,9 @@ BF16 = "rows64"  # the bf16-KV tiles: that variant runs on a bf16 cache, every o
 AUTO = "auto"  # paged_decode's own choice (decode_variant) on an FP8 cache
 
 
-# Candidates not in DECODE_VARIANTS, for the next sweep (FP8, V^T cache). bench/offline_compile.py, registers /
-# shared memory per program: blk64w2s3 (engine) 178 / 38.9 KB, 2 warps per scheduler; blk32w2s3 (engine, run 38)
-# 121 / 21.5 KB and blk32w2s4 120 / 29.7 KB (4 warps per scheduler by registers); blk64w2s3r168 160 / 38.9 KB (3); blk64w2s4 178 / 55 KB.
+# Candidates not in DECODE_VARIANTS (FP8, V^T cache); none beat the engine's tiles in run 38. bench/offline_compile.py,
+# registers / shared memory per program: engine blk64w2s3 178 / 38.9 KB (2 warps per scheduler), blk32w2s3 121 /
+# 21.5 KB; blk32w2s4 120 / 29.7 KB; blk64w2s3r168 160 / 38.9 KB (3 warps per scheduler); blk64w2s4 178 / 55 KB.
 EXPERIMENTS = {
     "blk32w2s4": pa.DecodeVariant(32, 2, 4, blocks=True),
     "blk64w2s3r168": pa.DecodeVariant(64, 2, 3, blocks=True, maxnreg=168),

@@ -1,10 +1,14 @@
-"""Compile the attention kernels for the H200 (sm_90a) without a GPU: registers, spilled bytes, shared memory and
-asynchronous copies per program, at Llama-8B heads (32 query / 8 KV heads, D 128, block 16). The figures quoted in
-attention_tiles.py and prefill_tiles.py come from this script under triton 3.6, the GPU machine's version
+"""Compile lowbit's kernels for the H200 (sm_90a) without a GPU: registers, spilled bytes, shared memory and
+asynchronous copies per program, and from the SASS the MMA instructions, MEMBARs and the length of the loop that
+holds the MMAs. Attention at Llama-8B heads (32 query / 8 KV heads, D 128, block 16, FP8 cache); the W4 GEMMs
+(INT4 group 128 or NVFP4, bf16 x). The figures quoted in attention_tiles.py, prefill_tiles.py and
+docs/kernels_notes.md come from this script under triton 3.6, the GPU machine's version
 (`python3 -m venv --system-site-packages V && V/bin/pip install --no-deps triton==3.6.0`); other versions differ.
 
-`python3 bench/offline_compile.py decode blk64w2s3 [NAME ...]`  (DECODE_VARIANTS or attention_tiles' EXPERIMENTS, FP8 cache)
-`python3 bench/offline_compile.py prefill "(64, 64, 8, 3, True, True, True)" [TUPLE ...]`  (PrefillTiles, FP8 cache)
+`python3 bench/offline_compile.py decode blk64w2s3 [NAME ...]`  (DECODE_VARIANTS, attention_tiles' EXPERIMENTS)
+`python3 bench/offline_compile.py prefill "(64, 64, 8, 3, True, True, True)" [TUPLE ...]`  (PrefillTiles)
+`python3 bench/offline_compile.py w4_small_m int4,64,4,3,16 [FMT,BLOCK_N,WARPS,STAGES,BLOCK_M ...]`
+`python3 bench/offline_compile.py w4a16 int4,16,64,4,3 [FMT,BLOCK_M,BLOCK_N,WARPS,STAGES ...]`
 """
 import argparse
 import ast
@@ -17,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lowbit.bench_cli import load_script  # noqa: E402
-from lowbit.kernels import paged_attention as pa, paged_prefill as pp  # noqa: E402
+from lowbit.kernels import paged_attention as pa, paged_prefill as pp, w4_small_m, w4a16  # noqa: E402
 
 HQ, HK, D, BS = 32, 8, 128, 16
 
@@ -32,23 +36,39 @@ def compile_kernel(fn, types: dict, constants: dict, warps: int, stages: int, ma
     signature = {n: types.get(n, "constexpr") for n in names}
     constexprs = {(i,): constants[n] for i, n in enumerate(names) if n in constants}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if n.endswith("_ptr") or n in ("bt_stride", "half_stride")}
+               if n.endswith("_ptr") or n in ("bt_stride", "half_stride", "N", "K", "KP", "w_stride")}
     options = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
     k = triton.compile(ASTSource(fn=triton.jit(fn), signature=signature, constexprs=constexprs, attrs=aligned),
                        target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(k.asm["ptx"])
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    done = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
-    os.unlink(f.name)
-    if done.returncode:
-        raise SystemExit(f"ptxas (triton {triton.__version__}) failed: {done.stderr.strip().splitlines()[-1]} "
-                         f"(the figures quoted come from triton 3.6: see this script's docstring)")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        Path(ptx).write_text(k.asm["ptx"])
+        done = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"ptxas (triton {triton.__version__}) failed: {done.stderr.strip().splitlines()[-1]} "
+                             f"(the figures quoted come from triton 3.6: see this script's docstring)")
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True,
+                              text=True, check=True).stdout
     report = done.stderr
     spill = re.search(r"(\d+) bytes spill stores", report)
     return {"registers": int(re.search(r"Used (\d+) registers", report).group(1)),
             "spill_bytes": int(spill.group(1)) if spill else 0, "shared_bytes": k.metadata.shared,
-            "async_copies": k.asm["ttgir"].count("async_copy_global_to_local")}
+            "async_copies": k.asm["ttgir"].count("async_copy_global_to_local"), **sass_counts(sass)}
+
+
+def sass_counts(sass: str) -> dict:
+    """MMA instructions (HGMMA / HMMA) and MEMBARs in the whole kernel; instructions in the loop that holds the
+    most MMAs (from a backward branch's target to the branch)."""
+    ops = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", sass)]
+    branches = [(int(t, 16), int(a, 16)) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\w* "
+                                                                r"(?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", sass)]
+    is_mma = [op.startswith(("HGMMA", "HMMA")) for _, op in ops]
+    loops = [(sum(m for (a, _), m in zip(ops, is_mma) if t <= a <= b), sum(t <= a <= b for a, _ in ops))
+             for t, b in branches if t < b]
+    return {"mma": sum(is_mma), "membar": sum(op.startswith("MEMBAR") for _, op in ops),
+            "loop_instructions": max(loops)[1] if loops else None}
 
 
 def decode(v: pa.DecodeVariant) -> dict:
@@ -69,9 +89,28 @@ def prefill(t: pp.PrefillTiles) -> dict:
     return compile_kernel(pp._prefill_kernel.fn, types, constants, t.warps, t.stages)
 
 
+W4_FIELDS = {"w4_small_m": "FMT,BLOCK_N,WARPS,STAGES,BLOCK_M", "w4a16": "FMT,BLOCK_M,BLOCK_N,WARPS,STAGES"}
+W4_TYPES = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp32", smooth_ptr="*bf16", bias_ptr="*bf16", out_ptr="*fp32",
+                M="i32", N="i32", K="i32", KP="i32", w_stride="i32", n_tiles="i32", tiles_per_split="i32",
+                global_scale="fp32")
+
+
+def w4(kernel: str, fmt: str, a: int, b: int, warps: int, stages: int) -> dict:
+    """w4_small_m: a, b = BLOCK_N, BLOCK_M; w4a16: BLOCK_M, BLOCK_N. INT4 group 128 or NVFP4, no bias / smooth."""
+    nvfp4 = fmt == "nvfp4"
+    types = dict(W4_TYPES, **({"s_ptr": "*fp8e4nv"} if nvfp4 else {}),
+                 **({"x_ptr": "*fp16"} if nvfp4 and kernel == "w4_small_m" else {}))  # x_planes: fp16 for NVFP4
+    constants = dict(IS_FP4=nvfp4, X_BF16=True, GROUP=16 if nvfp4 else 128, HAS_SMOOTH=False, HAS_BIAS=False)
+    if kernel == "w4_small_m":
+        fn, constants = w4_small_m._w4_small_m_kernel.fn, dict(constants, BLOCK_N=a, BLOCK_M=b)
+    else:
+        fn, constants = w4a16._w4_gemm_kernel.fn, dict(constants, BLOCK_M=a, BLOCK_N=b)
+    return compile_kernel(fn, types, constants, warps, stages)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kernel", choices=["decode", "prefill"])
+    p.add_argument("kernel", choices=["decode", "prefill", "w4_small_m", "w4a16"])
     p.add_argument("configs", nargs="+")
     a = p.parse_args(argv)
     if a.kernel == "decode":
@@ -80,6 +119,16 @@ def main(argv=None) -> int:
         if unknown:
             p.error(f"unknown decode variants {unknown}; known: {sorted(known)}")
         jobs = [(c, lambda c=c: decode(known[c])) for c in a.configs]
+    elif a.kernel in ("w4_small_m", "w4a16"):
+        parsed = [c.split(",") for c in a.configs]
+        if any(len(f) != 5 or f[0] not in ("int4", "nvfp4") or not all(v.isdigit() for v in f[1:]) for f in parsed):
+            p.error(f"a {a.kernel} config is {W4_FIELDS[a.kernel]} (FMT int4 or nvfp4, then four integers)")
+        if a.kernel == "w4_small_m":  # FMT,BLOCK_N,WARPS,STAGES,BLOCK_M
+            jobs = [(c, lambda f=f: w4("w4_small_m", f[0], int(f[1]), int(f[4]), int(f[2]), int(f[3])))
+                    for c, f in zip(a.configs, parsed)]
+        else:  # FMT,BLOCK_M,BLOCK_N,WARPS,STAGES
+            jobs = [(c, lambda f=f: w4("w4a16", f[0], int(f[1]), int(f[2]), int(f[3]), int(f[4])))
+                    for c, f in zip(a.configs, parsed)]
     else:
         try:
             tiles = [pp.PrefillTiles(*ast.literal_eval(c)) for c in a.configs]

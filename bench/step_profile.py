@@ -122,15 +122,16 @@ class StepTrace:
 
 
 def watch_compiles(step_no: list, compiled: list):
-    """Triton's hook before every new kernel variant (a specialization not yet in memory: a compile, ~1 s, or a
-    disk-cache load): records [step, kernel]. Returns the previous hook, to put back."""
+    """Sets Triton's hook before every new kernel variant (a specialization not yet in memory: a compile, ~1 s, or
+    a disk-cache load) to record [step, kernel]. Returns a function that puts the previous hook back."""
     import triton
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         compiled.append([step_no[0], fn.name])
         return None  # go on compiling
-    previous, triton.knobs.runtime.jit_cache_hook = triton.knobs.runtime.jit_cache_hook, hook
-    return previous
+    runtime = triton.knobs.runtime
+    previous, runtime.jit_cache_hook = runtime.jit_cache_hook, hook
+    return lambda: setattr(runtime, "jit_cache_hook", previous)
 
 
 def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0.0, trace=None,
@@ -159,7 +160,7 @@ def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0
         graphs.run = timed(replay, totals, "launch.graph_replay")
     engine.sampler.sample = timed(sample, totals, "launch.sample")
     compiled = []
-    previous_hook = watch_compiles(step_no, compiled) if compiles else None
+    unwatch = watch_compiles(step_no, compiled) if compiles else None
     try:
         params = SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
         sb = load_script("serve_bench.py")
@@ -193,9 +194,8 @@ def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0
         engine.runner.prepare, engine.sampler.sample = prepare, sample
         if graphs:
             graphs.run = replay
-        if compiles:
-            import triton
-            triton.knobs.runtime.jit_cache_hook = previous_hook
+        if unwatch:
+            unwatch()
     per_step = {k: round(1e3 * v / steps, 3) for k, v in totals.items()}
     return {"steps": steps, "seconds": round(total, 2), "output_tok_s": round(requests * osl / total),
             "ms_per_step": round(1e3 * total / steps, 3), "ms_per_step_parts": per_step,

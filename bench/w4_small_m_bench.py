@@ -68,7 +68,8 @@ def run_checks(emit) -> bool:
 
 
 def weights(fmt, k, n):
-    return [gemv_bench.random_weight(fmt, k, n) for _ in range(gemv_bench.copies_for(gemv_bench.weight_bytes(fmt, k, n)))]
+    copies = gemv_bench.copies_for(gemv_bench.weight_bytes(fmt, k, n))
+    return [gemv_bench.random_weight(fmt, k, n) for _ in range(copies)]
 
 
 def time_op(op, x, ws, reps=15) -> float:
@@ -122,8 +123,8 @@ def run_timing(emit, best) -> list:
 
 
 def table(rows) -> str:
-    out = ["| shape | M | cuBLAS bf16 us | INT4 small-M us (GB/s) | x cuBLAS | was | NVFP4 small-M us (GB/s) | x cuBLAS "
-           "| was |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| shape | M | cuBLAS bf16 us | INT4 small-M us (GB/s) | x cuBLAS | tensor-core x cuBLAS "
+           "| NVFP4 small-M us (GB/s) | x cuBLAS | tensor-core x cuBLAS |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = [f"{r['shape']} {r['K']}->{r['N']}", str(r["M"]), f"{r['cublas_bf16_us']:.1f}"]
         for fmt in ("int4", "nvfp4"):
@@ -140,6 +141,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=200, help="stop the sweep after this many seconds")
     ap.add_argument("--no-sweep", action="store_true", help="time choose_config's picks only")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: w4_small_m_bench needs a CUDA GPU", file=sys.stderr)
+        return 2
     lines = []
 
     def emit(d):

@@ -178,11 +178,12 @@ def test_step_profile_lists_kernel_variants_built_mid_run():
     assert sp.run(engine, 2, 8, 2, seed=1, compiles=True)["compiled"] == []
     assert triton.knobs.runtime.jit_cache_hook is before
     step_no, compiled = [7], []
-    previous = sp.watch_compiles(step_no, compiled)
+    unwatch = sp.watch_compiles(step_no, compiled)
     try:
         hook = triton.knobs.runtime.jit_cache_hook
         assert hook(key=None, repr="", fn=SimpleNamespace(name="_decode_kernel"), compile={},
                     is_manual_warmup=False, already_compiled=False) is None  # None: compile as usual
     finally:
-        triton.knobs.runtime.jit_cache_hook = previous
+        unwatch()
+    assert triton.knobs.runtime.jit_cache_hook is before
     assert compiled == [[7, "_decode_kernel"]]

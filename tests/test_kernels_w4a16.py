@@ -93,9 +93,18 @@ def test_x_planes_order():
     assert back[:, :160].equal(x) and back[:, 160:].abs().sum() == 0
 
 
-def test_small_m_dispatch():
+def test_small_m_dispatch(monkeypatch):
     """w4a16_gemm hands 2 <= M <= 16 of large INT4 layers to w4_small_m (where the H200 measured it faster)."""
     assert w4_small_m.takes(2, 28672, 4096, "int4") and w4_small_m.takes(16, 4096, 14336, "int4")
     assert not w4_small_m.takes(1, 28672, 4096, "int4") and not w4_small_m.takes(17, 28672, 4096, "int4")
     assert not w4_small_m.takes(16, 6144, 4096, "int4")  # qkv-sized: the tensor-core kernel was as fast
     assert not w4_small_m.takes(16, 28672, 4096, "nvfp4")
+    calls = []  # the dispatch itself, on layers small enough for the interpreter
+    monkeypatch.setattr(w4_small_m, "LARGE_LAYER", 48 * 256)
+    monkeypatch.setattr(w4_small_m, "w4_small_m", lambda x, w, bias=None: calls.append(w.fmt) or "small_m")
+    for fmt, group in (("int4", 128), ("nvfp4", 16)):
+        _, packed = _packed(fmt, 48, 256, group)
+        for m in (1, 4, 17):
+            out = w4a16.w4a16_gemm(torch.randn(m, 256).half(), packed)
+            assert (out == "small_m") == (fmt == "int4" and m == 4)
+    assert calls == ["int4"]

@@ -41,8 +41,8 @@ class DecodeVariant(NamedTuple):
 #   bf16 rows64   718-733   74-75        128-130  257-263   252-257  18.6    72.5     (4.3-4.4 TB/s at 512x1500)
 # Run 36, V stored transposed per block (its token dim contiguous): Triton then copies the K and V tiles to shared
 # memory asynchronously (cp.async, software-pipelined) and loads them straight into the MMA operand layout, with
-# no register transpose of V; 122-178 registers instead of 199 (bench/offline_compile.py; Nsight Compute: the token-major
-# kernel ran 2 warps per scheduler at 65 % of cycles with no eligible warp, stalled on its global loads).
+# no register transpose of V; 122-178 registers instead of 199 (bench/offline_compile.py; Nsight Compute: the
+# token-major kernel ran 2 warps per scheduler at 65 % of cycles with no eligible warp, stalled on its global loads).
 #   blk128w2 (V^T, 1 stage)    471.1  54.7  94.6  170.6  165.5  24.8  73.8
 #   blk64w2s3 (V^T, 3 stages)  400.4  49.4  82.0  148.5  143.7  25.8  56.0   (3.95 TB/s at 512x1500)
 #   blk64w4s3 / blk32w4s4      546.5 / 540.7 at 512x1500; 8 warps 770-785 (run 36)

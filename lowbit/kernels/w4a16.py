@@ -284,4 +284,3 @@ def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
     if split > 1:
         split_k.split_sum(target, bias, out)
     return out
-
