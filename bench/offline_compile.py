@@ -33,6 +33,7 @@ def compile_kernel(fn, types: dict, constants: dict, warps: int, stages: int, ma
     from triton.compiler import ASTSource
 
     names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    constants = dict(constants, PDL=True)  # as the engine launches them on Hopper (lowbit.kernels._triton)
     signature = {n: types.get(n, "constexpr") for n in names}
     constexprs = {(i,): constants[n] for i, n in enumerate(names) if n in constants}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)

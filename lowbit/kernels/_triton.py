@@ -4,7 +4,15 @@ The public ops (lowbit.kernels) launch kernels for CUDA tensors only. The intern
 under Triton's interpreter, which tests use: TRITON_INTERPRET=1 must be set before triton is first imported (Triton
 builds its own library functions, tl.sum etc., for the interpreter or the compiler at import).
 Kernels are decorated with `kernel` instead of `triton.jit`, so that mode is chosen at launch, not at our import.
+
+Programmatic dependent launch (PDL, Hopper and later). A kernel with a `PDL: tl.constexpr` parameter calls
+`wait_for_producers(PDL)` before it reads anything an earlier kernel wrote and before it writes anything; before
+that call it may read only weights (never written while serving). The call waits for the kernels before it (a no-op
+unless this kernel was launched early) and lets the next kernel launch early. Only `early_kernel`s are launched
+early: the M = 1 W4 GEMV, whose first weight tiles then stream in while the small kernel before it finishes.
+Launching every kernel early measured slower at batch 16-256 (docs/serve_gpu_notes.md). LOWBIT_PDL=0: no PDL.
 """
+import inspect
 import os
 from types import SimpleNamespace
 
@@ -13,6 +21,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # triton is the optional `kernels` extra; without it every op runs its torch reference
     triton = None
     tl = SimpleNamespace(constexpr=None)
@@ -36,11 +45,29 @@ def use_triton(x: torch.Tensor) -> bool:
     return HAS_TRITON and (x.is_cuda or interpreting())
 
 
-class kernel:
-    """A lazily built Triton kernel: `kernel(fn)[grid](*args)` compiles or interprets fn on first use."""
+_PDL_CAPABLE: dict = {}  # device index -> compute capability >= 9.0
 
-    def __init__(self, fn):
+
+def pdl_enabled() -> bool:
+    """PDL on: kernels wait for their producers and launch early_kernels early. On a Hopper or later GPU, unless
+    LOWBIT_PDL=0."""
+    if interpreting() or os.environ.get("LOWBIT_PDL", "1") == "0" or not torch.cuda.is_available():
+        return False
+    device = torch.cuda.current_device()
+    if device not in _PDL_CAPABLE:
+        _PDL_CAPABLE[device] = torch.cuda.get_device_capability(device) >= (9, 0)
+    return _PDL_CAPABLE[device]
+
+
+class kernel:
+    """A lazily built Triton kernel: `kernel(fn)[grid](*args)` compiles or interprets fn on first use. A kernel with
+    a PDL parameter gets it from pdl_enabled(); launch_early: also launched as a programmatic dependent."""
+
+    def __init__(self, fn, launch_early: bool = False):
         self.fn = fn
+        self.takes_pdl = "PDL" in inspect.signature(fn).parameters
+        self.launch_early = launch_early
+        assert self.takes_pdl or not launch_early, "a kernel launched early must wait for its producers"
         self._built = {}
 
     def __getitem__(self, grid):
@@ -51,12 +78,31 @@ class kernel:
                 self._built[mode] = InterpretedFunction(self.fn)
             else:
                 self._built[mode] = triton.jit(self.fn)
-        return self._built[mode][grid]
+        launch = self._built[mode][grid]
+        if not self.takes_pdl:
+            return launch
+        pdl = mode == "jit" and pdl_enabled()
+        options = {"launch_pdl": True} if pdl and self.launch_early else {}
+        return lambda *args, **kwargs: launch(*args, PDL=pdl, **options, **kwargs)
+
+
+def early_kernel(fn):
+    """A `kernel` launched early under PDL: it starts while the kernel before it finishes."""
+    return kernel(fn, launch_early=True)
 
 
 def helper(fn):
     """A @triton.jit function called from kernels (built for whichever mode triton was imported in)."""
     return triton.jit(fn) if HAS_TRITON else fn
+
+
+@helper
+def wait_for_producers(PDL: tl.constexpr):
+    """Under PDL: wait until the kernels before this one in the stream have finished and their writes are visible
+    (they waited in turn), then let the next kernel launch if it is launched early."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def cdiv(a: int, b: int) -> int:

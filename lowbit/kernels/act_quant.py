@@ -7,7 +7,7 @@ Returns (q [M, K] float8_e4m3fn | int8, scale fp32: [] when static, [M, 1] when 
 import torch
 
 from lowbit.checkpoint.formats import FP8_MAX, INT8_MAX
-from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton
+from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton, wait_for_producers
 
 _MIN_SCALE = 1e-12
 
@@ -41,9 +41,10 @@ def _smoothed(x_ptr, smooth_ptr, row, cols, K, HAS_SMOOTH: tl.constexpr):
 @kernel
 def _act_quant_kernel(x_ptr, smooth_ptr, scale_ptr, q_ptr, K,
                       HAS_SMOOTH: tl.constexpr, DYNAMIC: tl.constexpr, IS_INT8: tl.constexpr,
-                      QMAX: tl.constexpr, BLOCK: tl.constexpr):
+                      QMAX: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # static: program (row, chunk) quantizes BLOCK elements; dynamic: program (row, 0) loops over the row twice
     # (amax, then quantize: the second read hits L2)
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     if DYNAMIC:

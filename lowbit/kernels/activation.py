@@ -8,7 +8,7 @@ in fp32 first: silu(gate) * (up * up_scale), rounded to x's dtype once.
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels._triton import cdiv, kernel, on_gpu, tl
+from lowbit.kernels._triton import cdiv, kernel, on_gpu, tl, wait_for_producers
 from lowbit.kernels.norm import quantize_fp8_ref
 
 CONFIG = (1024, 4)  # (BLOCK columns per program, num_warps)
@@ -24,7 +24,8 @@ def silu_and_mul_ref(x: torch.Tensor, quant_scale: torch.Tensor | None = None,
 
 @kernel
 def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, up_scale_ptr, D, QUANT: tl.constexpr, UP_SCALED: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D

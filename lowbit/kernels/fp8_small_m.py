@@ -23,7 +23,7 @@ serialize, so one workspace per device serves every layer.
 """
 import torch
 
-from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton
+from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton, wait_for_producers
 
 MAX_M = 32
 PROMOTE_K = 32  # K elements the tensor core sums at its reduced precision before adding into fp32 (benchmarks.md run 9)
@@ -119,9 +119,11 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, ws_ptr,
                         n_tiles, steps_per_tile, units_per_program,
                         SA_PER_ROW: tl.constexpr, SB_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
                         EVEN_K: tl.constexpr, DOT_FP16: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, PROMOTE_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, PROMOTE_K: tl.constexpr,
+                        PDL: tl.constexpr):
     # work unit u = tile * steps_per_tile + K step; program p owns units [p * U, (p + 1) * U) (U units_per_program),
     # i.e. one or more tile segments; a tile split between programs is finished by the last of them to arrive
+    wait_for_producers(PDL)
     pid = tl.program_id(0)
     u_begin = pid * units_per_program
     u_end = tl.minimum(u_begin + units_per_program, n_tiles * steps_per_tile)

@@ -7,7 +7,7 @@ at an exact rounding tie): the activation quantization of that linear then costs
 import torch
 
 from lowbit.checkpoint.formats import FP8_MAX
-from lowbit.kernels._triton import kernel, next_pow2, on_gpu, tl
+from lowbit.kernels._triton import kernel, next_pow2, on_gpu, tl, wait_for_producers
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -27,7 +27,8 @@ def quantize_fp8_ref(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @kernel
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, D, eps,
-                     HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D

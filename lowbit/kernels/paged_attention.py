@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl
+from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, wait_for_producers
 from lowbit.kernels.norm import quantize_fp8_ref
 
 FP8_MAX = 448.0
@@ -139,8 +139,9 @@ def paged_decode_ref(q, kv_cache, block_tables, context_lens, scale, k_scale, v_
 # ---- KV store
 @kernel
 def _store_kv_kernel(k_ptr, v_ptr, kv_ptr, slot_ptr, ks_ptr, vs_ptr, k_stride, v_stride, half_stride,
-                     HKD: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
+                     HKD: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     """Program t: token t's K and V rows [HKD] to its slot; an FP8 cache gets V transposed within the block."""
+    wait_for_producers(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -294,9 +295,10 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
                    bt_stride, half_stride, num_splits,
                    HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    BS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
-                   QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr):
+                   QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
     """Program (b, kv head, split): the G query heads of one KV head over one slice of the context.
     BLOCKS: tiles gathered block by block (DecodeVariant.blocks), else row by row."""
+    wait_for_producers(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -345,8 +347,9 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
 
 @kernel
 def _combine_kernel(part_ptr, lse_ptr, os_ptr, out_ptr, num_splits, D: tl.constexpr, SP: tl.constexpr,
-                    model_dtype: tl.constexpr, QUANT_OUT: tl.constexpr):
+                    model_dtype: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr):
     """Program (b * HQ + h): merges the splits' partial outputs by their log-sum-exp."""
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, SP)
     offs_d = tl.arange(0, D)

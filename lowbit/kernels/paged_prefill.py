@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl
+from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, wait_for_producers
 from lowbit.kernels.paged_attention import (LOG2E, _block_ids, _kv_blocks, _kv_tile, _output, _scale_tensor,
                                             _softmax_step, block_gather_fits)
 
@@ -64,9 +64,10 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_
                     half_stride, HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                     D: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                     FP8: tl.constexpr, QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr, DOT_ACC: tl.constexpr,
-                    HEAVY_FIRST: tl.constexpr):
+                    HEAVY_FIRST: tl.constexpr, PDL: tl.constexpr):
     """Program (token tile, b, kv head), or with HEAVY_FIRST (kv head, b, last tile first): rows = BLOCK_T new tokens
     x the G query heads of KV head kvh. DOT_ACC: PrefillTiles.dot_acc."""
+    wait_for_producers(PDL)
     M: tl.constexpr = BLOCK_T * GP
     if HEAVY_FIRST:
         kvh = tl.program_id(0)

@@ -9,7 +9,7 @@ rotary_kv.rotary_store_kv, which the Llama path runs (rotary and the K/V store i
 """
 import torch
 
-from lowbit.kernels._triton import kernel, next_pow2, on_gpu, tl
+from lowbit.kernels._triton import kernel, next_pow2, on_gpu, tl, wait_for_producers
 
 
 def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor | None = None):
@@ -46,8 +46,9 @@ def rotary_qk_ref(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_
 
 @kernel
 def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cache_ptr, x_stride, H, HALF, BLOCK_H: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                   BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Row t of x: its H heads rotated into out [T, H, 2*HALF] (contiguous)."""
+    wait_for_producers(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)

@@ -11,7 +11,7 @@ dtype first, then (FP8) / k_scale in fp32 (as a product with 1 / k_scale: one fp
 """
 import torch
 
-from lowbit.kernels._triton import cdiv, kernel, next_pow2, tl
+from lowbit.kernels._triton import cdiv, kernel, next_pow2, tl, wait_for_producers
 from lowbit.kernels.paged_attention import _scale_tensor, _v_offset, store_kv_ref
 from lowbit.kernels.rotary import rotary_qk_ref
 
@@ -28,10 +28,11 @@ def rotary_store_kv_ref(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache,
 @kernel
 def _rotary_store_kv_kernel(x_ptr, q_ptr, kv_ptr, slot_ptr, pos_ptr, cs_ptr, ps_ptr, ks_ptr, vs_ptr, x_stride,
                             half_stride, HQ, HK, HALF, BS: tl.constexpr, SCALED: tl.constexpr, FP8: tl.constexpr,
-                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Row t of x, heads BLOCK_H * program_id(1) and on: heads [0, HQ) rotated to q [T, HQ, 2*HALF]; heads
     [HQ, HQ+HK) rotated and [HQ+HK, HQ+2HK) as they are to kv_cache half 0 and 1 at slot t; with SCALED, part p's
     heads first multiplied by ps_ptr[p]."""
+    wait_for_producers(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)

@@ -7,7 +7,7 @@ from the same seed, but not the same values: a seed reproduces its tokens on the
 """
 import torch
 
-from lowbit.kernels._triton import HAS_TRITON, cdiv, kernel, tl
+from lowbit.kernels._triton import HAS_TRITON, cdiv, kernel, tl, wait_for_producers
 
 _BLOCK = 4096
 
@@ -22,7 +22,8 @@ def exponential_noise_ref(seeds: list[int], vocab: int, device) -> torch.Tensor:
 
 
 @kernel
-def _exponential_kernel(seed_ptr, out_ptr, V, BLOCK: tl.constexpr):
+def _exponential_kernel(seed_ptr, out_ptr, V, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     seed = tl.load(seed_ptr + row)

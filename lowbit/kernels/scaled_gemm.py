@@ -6,7 +6,7 @@ Used for INT8 SmoothQuant, and for FP8 where torch._scaled_mm does not apply.
 """
 import torch
 
-from lowbit.kernels._triton import cdiv, kernel, tl, use_triton
+from lowbit.kernels._triton import cdiv, kernel, tl, use_triton, wait_for_producers
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); tuned on the H200, see docs/kernels_notes.md
 LARGE_M_CONFIG = (128, 256, 128, 8, 3)  # M > 512
@@ -26,8 +26,10 @@ def scaled_gemm_ref(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16)
 def _scaled_gemm_kernel(a_ptr, b_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K,
                         SA_PER_ROW: tl.constexpr, SB_PER_COL: tl.constexpr, HAS_BIAS: tl.constexpr,
                         IS_INT: tl.constexpr, EVEN_K: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        PDL: tl.constexpr):
     # grouped launch order: GROUP_M row-blocks share each column-block, so b tiles are reused from L2
+    wait_for_producers(PDL)
     pid = tl.program_id(0)
     n_blocks_m = tl.cdiv(M, BLOCK_M)
     n_blocks_n = tl.cdiv(N, BLOCK_N)

@@ -2,7 +2,7 @@
 programs: a tile's store (the output itself, or split pid_k's fp32 partial) and the sum of the partials."""
 import torch
 
-from lowbit.kernels._triton import cdiv, helper, kernel, tl
+from lowbit.kernels._triton import cdiv, helper, kernel, tl, wait_for_producers
 
 
 @helper
@@ -18,7 +18,8 @@ def store_out_t(acc, out_ptr, bias_ptr, pid_k, M, N, offs_m, offs_n, n_rows, glo
 
 @kernel
 def _split_sum_kernel(ws_ptr, bias_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)

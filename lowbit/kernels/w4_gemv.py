@@ -26,7 +26,7 @@ H200, Llama-3.1-8B shapes, per token: INT4 2.4x and NVFP4 1.9x cuBLAS bf16, 1.8x
 """
 import torch
 
-from lowbit.kernels._triton import cdiv, helper, interpreting, kernel, tl, use_triton
+from lowbit.kernels._triton import cdiv, early_kernel, helper, interpreting, tl, use_triton, wait_for_producers
 
 GEMV_MAX_M = 1  # w4a16_gemm dispatches M <= this to the GEMV: at M = 2 the tensor-core kernel is already as fast
 GEMV_CONFIG = (8, 2048, 2)  # (BLOCK_N, BLOCK_K, num_warps): best of the H200 sweep for both formats (128 registers;
@@ -244,13 +244,14 @@ def _step(acc, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4: tl.co
     return acc
 
 
-@kernel
+@early_kernel
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, N, K, KP, w_stride, global_scale, magic,
                     IS_FP4: tl.constexpr, GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MASK_X: tl.constexpr,
-                    USE_ASM: tl.constexpr):
+                    USE_ASM: tl.constexpr, PDL: tl.constexpr):
     """out[0, n] for BLOCK_N rows n, all of K. EVEN_K: BLOCK_K | KP (no masked chunk); MASK_X: K % BLOCK_K != 0
-    (x and pre_quant_scale masked past K; the padded weights past K are 0 anyway)."""
+    (x and pre_quant_scale masked past K; the padded weights past K are 0 anyway). The first step's weights are
+    loaded before waiting for x's producer (PDL)."""
     C: tl.constexpr = BLOCK_K // 32
     # magic = 0x43800000 (256.0f) from the host: an opaque value lives in a register, so that each nibble's mask and
     # OR is one LOP3 (with two immediates ptxas emits two)
@@ -266,6 +267,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, N, K, KP
     acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
     n_steps = tl.cdiv(KP, BLOCK_K)
     words, sc = _load_step(w_ptrs, s_ptr, 0, cc, n_rows, offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
+    wait_for_producers(PDL)
     for kb in range(0, n_steps):
         k0 = kb * BLOCK_K  # (a multiple of BLOCK_K the compiler can see: aligned 16-byte x loads)
         words_next, sc_next = _load_step(w_ptrs, s_ptr, tl.minimum(kb + 1, n_steps - 1) * BLOCK_K, cc, n_rows,

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.kernels import split_k
-from lowbit.kernels._triton import cdiv, helper, kernel, tl, use_triton
+from lowbit.kernels._triton import cdiv, helper, kernel, tl, use_triton, wait_for_producers
 
 SMALL_M_MAX = 16  # one MMA N tile (BLOCK_M = 16)
 LARGE_LAYER = 32 * 2**20  # weights per layer (N x KP) from which `takes` routes INT4 here
@@ -47,7 +47,8 @@ def _plane(words, s: tl.constexpr, sc, IS_FP4: tl.constexpr, X_BF16: tl.constexp
 def _w4_small_m_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, KP, w_stride, n_tiles, tiles_per_split,
                        global_scale, IS_FP4: tl.constexpr, X_BF16: tl.constexpr, GROUP: tl.constexpr,
                        HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from lowbit.checkpoint.formats import NVFP4_BLOCK, nvfp4_dequantize, unpack_e2m1, unpack_int4_rows
 from lowbit.kernels import split_k, w4_gemv, w4_small_m
-from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton
+from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton, wait_for_producers
 
 PACK_K = 128
 NUM_SMS = 132  # H200; only steers the split-K heuristic
@@ -139,7 +139,9 @@ def _nibbles(words):
 @kernel
 def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K, w_stride, n_tiles, tiles_per_split,
                     global_scale, IS_FP4: tl.constexpr, X_BF16: tl.constexpr, GROUP: tl.constexpr,
-                    HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PDL: tl.constexpr):
+    wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
