@@ -9,6 +9,7 @@
 #   bash bench/h200_session.sh tiles    # FP8 decode and prefill tile candidates for the V-transposed cache
 #   bash bench/h200_session.sh w4       # W4A16 at M = 2-16: checks, sweep, times; int4_awq / nvfp4 decode steps
 #   bash bench/h200_session.sh compiles # 768 x 1000/1000: slow steps and the Triton kernels first built mid-run
+#   bash bench/h200_session.sh pdl      # decode-step graph replays of every format, PDL on and off (LOWBIT_PDL=0)
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -93,6 +94,13 @@ compiles)
         --overlap on --slow-ms 400 --compiles 2>&1 | grep -E 'overlap=|slow step|first built|Error' \
         | sed 's/.histogram_ms.*//'
     ;;
+pdl)
+    for pdl in 1 0; do
+        part "LOWBIT_PDL=$pdl: CUDA-graph replay of one decode step at batch 1 / 16 / 64 / 256, every format"
+        LOWBIT_PDL=$pdl timeout 150 python3 bench/serve_diag.py --phases replay --formats int4_awq,nvfp4,fp8,bf16 \
+            --json "$OUT/replay_pdl$pdl.json" 2>&1 | grep '"format"'
+    done
+    ;;
 ncu)
     part "Nsight Compute (full set, clocks as they run) of one launch of each kernel; reports and text in \$OUT"
     for t in "decode_fp8 _decode_kernel decode --kv fp8" "decode_bf16 _decode_kernel decode --kv bf16" \
@@ -108,7 +116,7 @@ ncu)
     done
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl" >&2
     exit 2
     ;;
 esac
