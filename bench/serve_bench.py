@@ -206,6 +206,9 @@ def fp8_linear_fp32(x, p, bias, out_dtype):
     return y.to(out_dtype or (torch.bfloat16 if x.dtype == torch.float8_e4m3fn else x.dtype))
 
 
+LAYER_OPS = ("quant_linear", "rms_norm", "rotary", "silu_and_mul")  # the kernel ops lowbit.serve.layers calls
+
+
 @contextmanager
 def reference_path(engine, reader_rounding: bool = False):
     """Every op on its torch reference in fp32 math (NVFP4 as the weight-only reference, which is what Hopper serves;
@@ -224,7 +227,7 @@ def reference_path(engine, reader_rounding: bool = False):
             p = weight_only.setdefault(id(p), replace(p, algo="W4A16_NVFP4", input_scale=None))
         return linear_ref(x, p, bias, out_dtype)
 
-    saved = {n: getattr(layers_mod, n) for n in ("quant_linear", "rms_norm", "rotary", "silu_and_mul")}
+    saved = {n: getattr(layers_mod, n) for n in LAYER_OPS}
     backend, graphs = attn_mod._backend, engine.runner.graphs
     layers_mod.quant_linear, layers_mod.rms_norm = ref_linear, rms_norm_ref
     layers_mod.rotary, layers_mod.silu_and_mul = rotary_ref, silu_and_mul_ref  # rotary_store_kv: the backend's
@@ -303,6 +306,13 @@ def check_format(args, fmt) -> dict:
         tok_r, logits_r, picks_r = greedy_with_logits(engine, prompts, osl)
     tok_k, logits_k, _ = greedy_with_logits(engine, prompts, osl, forced=picks_r)
     res = compare_paths(fmt, args, lens, osl, tok_k, logits_k, tok_r, logits_r)
+    one = prompts[2:3]  # batch 1 alone: M = 1 GEMMs (the W4 GEMV, launched early under PDL)
+    with reference_path(engine):
+        tok_r1, logits_r1, picks_r1 = greedy_with_logits(engine, one, osl)
+    tok_k1, logits_k1, _ = greedy_with_logits(engine, one, osl, forced=picks_r1)
+    batch1 = compare_paths(fmt, args, lens[2:3], osl, tok_k1, logits_k1, tok_r1, logits_r1)
+    res["batch1_logits_rel_err_max"], res["batch1_argmax_gap_max"] = \
+        batch1["logits_rel_err_max"], batch1["argmax_gap_max"]
     free_running, _, _ = greedy_with_logits(engine, prompts, osl)
     res["free_running_same_tokens"] = f"{sum(a == b for a, b in zip(free_running, tok_r))}/{len(prompts)}"
     res["overlapped_steps_same_tokens"] = greedy_overlapped(engine, prompts, osl) == free_running
@@ -324,6 +334,7 @@ def check_format(args, fmt) -> dict:
     # every step within tolerance, and the kernels' own greedy pick never more than a near tie below the
     # reference's best (random weights give a 128k-way near tie often)
     res["pass"] = res["logits_rel_err_max"] < tol and res["argmax_gap_max"] <= tie and \
+        res["batch1_logits_rel_err_max"] < tol and res["batch1_argmax_gap_max"] <= tie and \
         res["overlapped_steps_same_tokens"]
     del engine
     free()

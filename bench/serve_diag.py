@@ -96,7 +96,7 @@ def op_errors(bench, args, fmt) -> dict:
 
     engine = bench.build_engine(args, fmt, layers=2, enable_prefix_caching=False, max_batch_size=8,
                                 kv_cache_max_tokens=16384, cuda_graphs=False)
-    saved = {n: getattr(layers_mod, n) for n in ("quant_linear", "rms_norm", "rotary", "silu_and_mul")}
+    saved = {n: getattr(layers_mod, n) for n in bench.LAYER_OPS}
     layers_mod.quant_linear, layers_mod.rms_norm, layers_mod.rotary, layers_mod.silu_and_mul = lin, norm, rot, act
     attn_mod.set_attention_backend(Both())
     try:

@@ -73,13 +73,25 @@ def test_reference_path_swaps_in_references_and_restores_on_cpu():
     bench = load_bench()
     args = bench.parse(["--tiny", "--device", "cpu"])
     engine = bench.build_engine(args, "fp8", enable_prefix_caching=False, max_batch_size=4, num_kv_blocks=64)
-    before = {n: getattr(layers, n) for n in ("quant_linear", "rms_norm", "rotary", "silu_and_mul")}
+    before = {n: getattr(layers, n) for n in bench.LAYER_OPS}
     backend = attention._backend
     with bench.reference_path(engine):
-        assert layers.rms_norm is not before["rms_norm"] and attention._backend is not backend
+        assert all(getattr(layers, n) is not before[n] for n in before) and attention._backend is not backend
         tokens, _, _ = bench.greedy_with_logits(engine, [bench.random_prompts(1, 9, 512, seed=9)[0]], 3)
     assert len(tokens[0]) == 3
     assert {n: getattr(layers, n) for n in before} == before and attention._backend is backend
+
+
+def test_reference_path_swaps_every_kernel_op_the_layers_import():
+    """A kernel op the layers import but the reference path leaves in place would run in the GPU check's baseline."""
+    import ast
+    import inspect
+
+    from lowbit.serve import layers
+
+    imported = {a.asname or a.name for node in ast.parse(inspect.getsource(layers)).body
+                if isinstance(node, ast.ImportFrom) and node.module == "lowbit.kernels" for a in node.names}
+    assert imported - {"prepare_linear"} == set(load_bench().LAYER_OPS)
 
 
 def test_cpu_engine_installs_the_torch_attention_backend():
