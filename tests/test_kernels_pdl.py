@@ -86,5 +86,15 @@ def test_interpreter_gets_no_pdl(monkeypatch):
 
 
 def test_pdl_switch(monkeypatch):
+    """LOWBIT_PDL=0 turns PDL off (read once per process); otherwise it follows the GPU (Hopper or later)."""
+    monkeypatch.setattr(_triton, "_PDL_ON", None)
+    monkeypatch.setattr(_triton.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_triton.torch.cuda, "get_device_capability", lambda: (9, 0))
     monkeypatch.setenv("LOWBIT_PDL", "0")
+    assert not _triton.pdl_enabled()
+    monkeypatch.setattr(_triton, "_PDL_ON", None)
+    monkeypatch.setenv("LOWBIT_PDL", "1")
+    assert _triton.pdl_enabled()
+    monkeypatch.setattr(_triton, "_PDL_ON", None)
+    monkeypatch.setattr(_triton.torch.cuda, "get_device_capability", lambda: (8, 0))
     assert not _triton.pdl_enabled()

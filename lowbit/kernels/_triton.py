@@ -45,18 +45,17 @@ def use_triton(x: torch.Tensor) -> bool:
     return HAS_TRITON and (x.is_cuda or interpreting())
 
 
-_PDL_CAPABLE: dict = {}  # device index -> compute capability >= 9.0
+_PDL_ON: bool | None = None  # decided once, at the first compiled launch (every launch asks)
 
 
 def pdl_enabled() -> bool:
-    """PDL on: kernels wait for their producers and launch early_kernels early. On a Hopper or later GPU, unless
-    LOWBIT_PDL=0."""
-    if interpreting() or os.environ.get("LOWBIT_PDL", "1") == "0" or not torch.cuda.is_available():
-        return False
-    device = torch.cuda.current_device()
-    if device not in _PDL_CAPABLE:
-        _PDL_CAPABLE[device] = torch.cuda.get_device_capability(device) >= (9, 0)
-    return _PDL_CAPABLE[device]
+    """PDL on for compiled launches: kernels wait for their producers and early_kernels launch early. On a Hopper or
+    later GPU (the current one when first asked), unless LOWBIT_PDL=0."""
+    global _PDL_ON
+    if _PDL_ON is None:
+        _PDL_ON = os.environ.get("LOWBIT_PDL", "1") != "0" and torch.cuda.is_available() and \
+            torch.cuda.get_device_capability() >= (9, 0)
+    return _PDL_ON
 
 
 class kernel:
