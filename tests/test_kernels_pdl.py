@@ -1,14 +1,16 @@
 """Programmatic dependent launch (lowbit.kernels._triton): which kernels wait, which launch early, what they get.
 The ordering itself needs a Hopper GPU (the engine checks in tests/test_gpu_engine_*.py run with PDL on there)."""
 import ast
+import importlib
 import inspect
 import pkgutil
-import importlib
 
 import pytest
 
-import lowbit.kernels
-from lowbit.kernels import _triton
+pytest.importorskip("triton")
+
+import lowbit.kernels  # noqa: E402
+from lowbit.kernels import _triton  # noqa: E402
 
 
 def _all_kernels():
@@ -85,16 +87,14 @@ def test_interpreter_gets_no_pdl(monkeypatch):
     assert rec.kwargs == {"PDL": False}
 
 
-def test_pdl_switch(monkeypatch):
-    """LOWBIT_PDL=0 turns PDL off (read once per process); otherwise it follows the GPU (Hopper or later)."""
-    monkeypatch.setattr(_triton, "_PDL_ON", None)
+@pytest.mark.parametrize("env,capability,has_gdc,expected", [
+    ("1", (9, 0), True, True), ("0", (9, 0), True, False), ("1", (8, 0), True, False), ("1", (9, 0), False, False)])
+def test_pdl_switch(monkeypatch, env, capability, has_gdc, expected):
+    """PDL needs a Hopper or later GPU and a Triton with grid dependency control; LOWBIT_PDL=0 turns it off."""
+    monkeypatch.setattr(_triton, "_PDL_ON", None)  # decided once per process: ask again
     monkeypatch.setattr(_triton.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(_triton.torch.cuda, "get_device_capability", lambda: (9, 0))
-    monkeypatch.setenv("LOWBIT_PDL", "0")
-    assert not _triton.pdl_enabled()
-    monkeypatch.setattr(_triton, "_PDL_ON", None)
-    monkeypatch.setenv("LOWBIT_PDL", "1")
-    assert _triton.pdl_enabled()
-    monkeypatch.setattr(_triton, "_PDL_ON", None)
-    monkeypatch.setattr(_triton.torch.cuda, "get_device_capability", lambda: (8, 0))
-    assert not _triton.pdl_enabled()
+    monkeypatch.setattr(_triton.torch.cuda, "get_device_capability", lambda: capability)
+    monkeypatch.setenv("LOWBIT_PDL", env)
+    if not has_gdc:
+        monkeypatch.setattr(_triton, "gdc_wait", None)
+    assert _triton.pdl_enabled() is expected

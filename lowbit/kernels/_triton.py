@@ -21,10 +21,13 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # triton is the optional `kernels` extra; without it every op runs its torch reference
     triton = None
     tl = SimpleNamespace(constexpr=None)
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # no triton, or one without grid dependency control: kernels launch without PDL
+    gdc_launch_dependents = gdc_wait = None
 
 HAS_TRITON = triton is not None
 _BUILT_FOR_INTERPRETER = HAS_TRITON and type(tl.sum).__name__ == "InterpretedFunction"
@@ -50,11 +53,12 @@ _PDL_ON: bool | None = None  # decided once, at the first compiled launch (every
 
 def pdl_enabled() -> bool:
     """PDL on for compiled launches: kernels wait for their producers and early_kernels launch early. On a Hopper or
-    later GPU (the current one when first asked), unless LOWBIT_PDL=0."""
+    later GPU (the current one when first asked) with a Triton that has grid dependency control, unless
+    LOWBIT_PDL=0."""
     global _PDL_ON
     if _PDL_ON is None:
-        _PDL_ON = os.environ.get("LOWBIT_PDL", "1") != "0" and torch.cuda.is_available() and \
-            torch.cuda.get_device_capability() >= (9, 0)
+        _PDL_ON = gdc_wait is not None and os.environ.get("LOWBIT_PDL", "1") != "0" and \
+            torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
     return _PDL_ON
 
 
