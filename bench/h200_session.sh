@@ -10,6 +10,7 @@
 #   bash bench/h200_session.sh w4       # W4A16 at M = 2-16: checks, sweep, times; int4_awq / nvfp4 decode steps
 #   bash bench/h200_session.sh compiles # 768 x 1000/1000: slow steps and the Triton kernels first built mid-run
 #   bash bench/h200_session.sh pdl      # decode-step graph replays of every format, PDL on and off (LOWBIT_PDL=0)
+#   bash bench/h200_session.sh stages   # the M = 1 W4 GEMV on Triton's software pipeline (STAGES) vs the default
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -101,6 +102,11 @@ pdl)
             --json "$OUT/replay_pdl$pdl.json" 2>&1 | grep '"format"'
     done
     ;;
+stages)
+    part "W4 GEMV: the default (register prefetch, first step before the PDL wait) vs cp.async pipelines (STAGES)"
+    timeout 400 python3 bench/w4_gemv_bench.py --configs "8,2048,2,3;8,2048,2,4;4,1024,1,4;8,1024,1,6;4,2048,2,3" \
+        --json "$OUT/w4_gemv_stages.json" 2>&1 | grep -E 'FAIL|^#|per token|checks_done'
+    ;;
 ncu)
     part "Nsight Compute (full set, clocks as they run) of one launch of each kernel; reports and text in \$OUT"
     for t in "decode_fp8 _decode_kernel decode --kv fp8" "decode_bf16 _decode_kernel decode --kv bf16" \
@@ -116,7 +122,7 @@ ncu)
     done
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|stages" >&2
     exit 2
     ;;
 esac

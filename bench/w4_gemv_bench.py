@@ -1,7 +1,9 @@
 """W4A16 decode GEMV (lowbit.kernels.w4_gemv, M = 1) on the GPU: correctness, then time vs cuBLAS bf16.
 
-`python3 bench/w4_gemv_bench.py [--smooth] [--json FILE] [--reps N] [--no-checks]` (from the repo root; ~30-60 s on
-an H200, mostly Triton compiles; `--dry-run`: CPU smoke test of the script under the interpreter, tiny shapes):
+`python3 bench/w4_gemv_bench.py [--smooth] [--json FILE] [--reps N] [--no-checks] [--configs "BN,BK,W,STAGES;..."]`
+(from the repo root; ~30-60 s on an H200 per config, mostly Triton compiles; `--dry-run`: CPU smoke test of the
+script under the interpreter, tiny shapes). --configs: other GEMV configs (w4_gemv.GEMV_CONFIG's fields), each
+checked and timed after the default:
 1. checks the GEMV (w4_gemv.GEMV_CONFIG) against the torch reference w4a16_gemm_ref (fp32 math) on fresh random
    inputs on the GPU: INT4 (group 128, plus 16/32 on ragged shapes) and NVFP4, the four Llama-3.1-8B shapes, ragged
    K (padded to 128, not a multiple of BLOCK_K) and odd N with pre_quant_scale and bias, bf16 and fp16 x, and CUDA
@@ -66,8 +68,8 @@ def weight_bytes(fmt, k, n) -> int:
     return n * k // 2 + (4 * n * k // 128 if fmt == "int4" else n * k // 16)
 
 
-def gemv(x, w, bias=None):
-    return w4_gemv.w4_gemv(x, w, bias)
+def gemv(x, w, bias=None, config=None):
+    return w4_gemv.w4_gemv(x, w, bias, config)
 
 
 # ---- checks
@@ -88,7 +90,7 @@ def check_cases():
     return cases
 
 
-def run_checks(emit) -> bool:
+def run_checks(emit, config=None) -> bool:
     ok_all = True
     for fmt, k, n, group, dtype, smooth, bias in check_cases():
         torch.manual_seed(k * 7 + n)
@@ -96,21 +98,22 @@ def run_checks(emit) -> bool:
         x = torch.randn(1, k, device=DEV).to(dtype)
         b = torch.randn(n, device=DEV).to(dtype) if bias else None
         ref = w4a16.w4a16_gemm_ref(x, w, b)
-        out = gemv(x, w, b)
+        out = gemv(x, w, b, config)
         err = rel_err(out, ref)
         ok = bool(torch.isfinite(out).all()) and out.shape == ref.shape and err < TOL
         ok_all &= ok
-        emit({"kind": "check", "fmt": fmt, "group": group, "K": k, "N": n, "dtype": str(dtype).removeprefix("torch."),
-              "smooth": smooth, "bias": bias, "rel_err": err, "tol": TOL, "result": "PASS" if ok else "FAIL"})
+        emit({"kind": "check", "config": config or w4_gemv.GEMV_CONFIG, "fmt": fmt, "group": group, "K": k, "N": n,
+              "dtype": str(dtype).removeprefix("torch."), "smooth": smooth, "bias": bias, "rel_err": err, "tol": TOL,
+              "result": "PASS" if ok else "FAIL"})
     if DRY_RUN:
         return ok_all
     for fmt in ("int4", "nvfp4"):  # graph replay on new x (no state between launches, but the engine replays graphs)
         w = random_weight(fmt, 4096, 4096)
         x = torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16)
-        gemv(x, w)
+        gemv(x, w, config=config)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            out = gemv(x, w)
+            out = gemv(x, w, config=config)
         errs = []
         for _ in range(2):
             x.copy_(torch.randn_like(x))
@@ -119,8 +122,8 @@ def run_checks(emit) -> bool:
             errs.append(rel_err(out, w4a16.w4a16_gemm_ref(x, w)))
         ok = max(errs) < TOL
         ok_all &= ok
-        emit({"kind": "check", "fmt": fmt, "K": 4096, "N": 4096, "graph_replays": 2, "rel_err": max(errs),
-              "tol": TOL, "result": "PASS" if ok else "FAIL"})
+        emit({"kind": "check", "config": config or w4_gemv.GEMV_CONFIG, "fmt": fmt, "K": 4096, "N": 4096,
+              "graph_replays": 2, "rel_err": max(errs), "tol": TOL, "result": "PASS" if ok else "FAIL"})
     return ok_all
 
 
@@ -140,8 +143,9 @@ def copies_for(nbytes) -> int:
     return max(1, min(64, -(-4 * L2_BYTES // nbytes)))
 
 
-def run_timing(reps, emit, smooth=False):
-    """smooth: INT4 weights carry a pre_quant_scale (real AWQ checkpoints do; the engine's dummy weights do not)."""
+def run_timing(reps, emit, smooth=False, configs=(None,)):
+    """smooth: INT4 weights carry a pre_quant_scale (real AWQ checkpoints do; the engine's dummy weights do not).
+    configs: GEMV configs timed on the same weights (None: GEMV_CONFIG)."""
     rows = []
     for shape, k, n in SHAPES:
         x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
@@ -156,21 +160,24 @@ def run_timing(reps, emit, smooth=False):
             nbytes = weight_bytes(fmt, k, n)
             ws = [random_weight(fmt, k, n, smooth=smooth and fmt == "int4")
                   for _ in range(1 if DRY_RUN else copies_for(nbytes))]
-            us = graph_time_us([lambda w=w: gemv(x, w) for w in ws], reps)
-            rows.append({"kind": "time", "shape": shape, "K": k, "N": n, "fmt": fmt, "op": "w4_gemv",
-                         "config": w4_gemv.GEMV_CONFIG, "us": us, "GBps": nbytes / us / 1e3,
-                         "speedup_vs_cublas": cublas / us})
-            emit(rows[-1])
+            for config in configs:
+                us = graph_time_us([lambda w=w: gemv(x, w, config=config) for w in ws], reps)
+                rows.append({"kind": "time", "shape": shape, "K": k, "N": n, "fmt": fmt, "op": "w4_gemv",
+                             "config": tuple(config or w4_gemv.GEMV_CONFIG), "us": us, "GBps": nbytes / us / 1e3,
+                             "speedup_vs_cublas": cublas / us})
+                emit(rows[-1])
             del ws
         if not DRY_RUN:
             torch.cuda.empty_cache()
     return rows
 
 
-def table(rows) -> str:
-    """Markdown: per shape, us (weight+scale GB/s) and speedup over cuBLAS bf16 per format; then per-token sums."""
-    get = {(r["shape"], r["fmt"]): r for r in rows}
-    out = [f"\n### M = 1, GEMV config (BLOCK_N, BLOCK_K, num_warps) = {w4_gemv.GEMV_CONFIG}\n",
+def table(rows, config) -> str:
+    """Markdown for one config: per shape, us (weight+scale GB/s) and speedup over cuBLAS bf16 per format; then
+    per-token sums."""
+    config = tuple(config or w4_gemv.GEMV_CONFIG)
+    get = {(r["shape"], r["fmt"]): r for r in rows if r["fmt"] == "bf16" or r["config"] == config}
+    out = [f"\n### M = 1, GEMV config (BLOCK_N, BLOCK_K, num_warps, STAGES) = {config}\n",
            "| shape | cuBLAS bf16 us | INT4 g128 us (GB/s) | x cuBLAS | NVFP4 us (GB/s) | x cuBLAS |",
            "|---|---|---|---|---|---|"]
     sums = {"bf16": 0.0, "int4": 0.0, "nvfp4": 0.0}
@@ -195,7 +202,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-checks", action="store_true")
     ap.add_argument("--smooth", action="store_true", help="time INT4 with pre_quant_scale (as AWQ checkpoints)")
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test of the script (interpreter, tiny shapes)")
+    ap.add_argument("--configs", default="", help="more GEMV configs, BN,BK,W,STAGES;... (checked, then timed)")
     args = ap.parse_args(argv)
+    try:
+        extra = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
+    except ValueError:
+        ap.error("--configs takes BN,BK,W,STAGES;... (integers)")
+    if any(len(c) != 4 for c in extra):
+        ap.error("--configs takes BN,BK,W,STAGES;... (four integers each)")
     if not DRY_RUN and not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -210,12 +224,15 @@ def main(argv=None) -> int:
     emit({"kind": "env", "device": "cpu (dry run)" if DRY_RUN else torch.cuda.get_device_name(),
           "torch": torch.__version__, "triton": __import__("triton").__version__, "config": w4_gemv.GEMV_CONFIG})
     ok = True
+    configs = [None] + extra
     if not args.no_checks:
-        ok = run_checks(emit)
+        for config in configs:
+            ok &= run_checks(emit, config)
         emit({"kind": "checks_done", "all_pass": ok, "s": time.time() - t0})
-    rows = run_timing(args.reps, emit, args.smooth)
+    rows = run_timing(args.reps, emit, args.smooth, configs)
     emit({"kind": "done", "s": time.time() - t0, "all_pass": ok})
-    print(table(rows))
+    for config in configs:
+        print(table(rows, config))
     if args.json:
         args.json.write_text("\n".join(json.dumps(d, default=str) for d in lines) + "\n")
     return 0 if ok else 1
