@@ -210,6 +210,9 @@ def main(argv=None) -> int:
         ap.error("--configs takes BN,BK,W,STAGES;... (integers)")
     if any(len(c) != 4 for c in extra):
         ap.error("--configs takes BN,BK,W,STAGES;... (four integers each)")
+    bad = [c for c in extra if c[0] % 4 or c[2] < 1 or c[1] % (1024 * c[2]) or c[3] < 0]
+    if bad:
+        ap.error(f"--configs {bad}: BN a multiple of 4, BK a multiple of 1024 x W, STAGES >= 0")
     if not DRY_RUN and not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
         return 2

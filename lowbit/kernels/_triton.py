@@ -5,7 +5,7 @@ under Triton's interpreter, which tests use: TRITON_INTERPRET=1 must be set befo
 builds its own library functions, tl.sum etc., for the interpreter or the compiler at import).
 Kernels are decorated with `kernel` instead of `triton.jit`, so that mode is chosen at launch, not at our import.
 
-Programmatic dependent launch (PDL, Hopper and later). A kernel with a `PDL: tl.constexpr` parameter calls
+Programmatic dependent launch (PDL, Hopper and later). Every kernel takes a `PDL: tl.constexpr` parameter and calls
 `wait_for_producers(PDL)` before it reads anything an earlier kernel wrote and before it writes anything; before
 that call it may read only weights (never written while serving). The call waits for the kernels before it (a no-op
 unless this kernel was launched early) and lets the next kernel launch early. Only `early_kernel`s are launched
@@ -63,14 +63,13 @@ def pdl_enabled() -> bool:
 
 
 class kernel:
-    """A lazily built Triton kernel: `kernel(fn)[grid](*args)` compiles or interprets fn on first use. A kernel with
-    a PDL parameter gets it from pdl_enabled(); launch_early: also launched as a programmatic dependent."""
+    """A lazily built Triton kernel: `kernel(fn)[grid](*args)` compiles or interprets fn on first use, passing its
+    PDL argument from pdl_enabled(); launch_early: also launched as a programmatic dependent."""
 
     def __init__(self, fn, launch_early: bool = False):
+        assert "PDL" in inspect.signature(fn).parameters, f"{fn.__name__}: every kernel takes PDL (module docstring)"
         self.fn = fn
-        self.takes_pdl = "PDL" in inspect.signature(fn).parameters
         self.launch_early = launch_early
-        assert self.takes_pdl or not launch_early, "a kernel launched early must wait for its producers"
         self._built = {}
 
     def __getitem__(self, grid):
@@ -82,8 +81,6 @@ class kernel:
             else:
                 self._built[mode] = triton.jit(self.fn)
         launch = self._built[mode][grid]
-        if not self.takes_pdl:
-            return launch
         pdl = mode == "jit" and pdl_enabled()
         options = {"launch_pdl": True} if pdl and self.launch_early else {}
         return lambda *args, **kwargs: launch(*args, PDL=pdl, **options, **kwargs)

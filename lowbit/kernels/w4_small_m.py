@@ -141,7 +141,6 @@ def takes(M: int, N: int, KP: int, fmt: str) -> bool:
     return fmt == "int4" and 2 <= M <= SMALL_M_MAX and N * KP >= LARGE_LAYER
 
 
-
 def choose_config(M: int, N: int, KP: int, fmt: str):
     """(BLOCK_N, split, num_warps, num_stages): 128-row tiles, K split in up to 8 (powers of two, >= 4 tiles each)
     while the grid stays within 1024 programs; the sweep's winners for gate_up (split 4) and down (split 8)."""
