@@ -58,6 +58,7 @@ def parse(argv):
     p.add_argument("--load-format", default="dummy", choices=["dummy"])
     p.add_argument("--isl", type=int, default=128)
     p.add_argument("--osl", type=int, default=128)
+    p.add_argument("--latency-isl", default="", help="prompt lengths of more batch-1 latency runs, e.g. 8192,32000")
     p.add_argument("--num-requests", type=int, default=1024)
     p.add_argument("--max-batch-size", type=int, default=1024)  # maximum load: as many sequences as the H200 holds
     p.add_argument("--max-num-tokens", type=int, default=8192)
@@ -377,11 +378,13 @@ def attention_decode_speed(args) -> list[dict]:
             lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
             q = torch.randn(batch, 32, d, device="cuda", dtype=torch.bfloat16)
             one = torch.tensor(1.0, device="cuda")
-            ms = triton.testing.do_bench(lambda: pa.paged_decode(q, cache, tables, lens, d ** -0.5, one, one),
+            splits = pa.decode_splits(batch, hk, ctx)  # as the engine picks them
+            ms = triton.testing.do_bench(lambda: pa.paged_decode(q, cache, tables, lens, d ** -0.5, one, one,
+                                                                 num_splits=splits),
                                          warmup=25, rep=100, return_mode="median")
             nbytes = cache.numel() * cache.element_size()
             rows.append({"kv": str(kv_dtype).split(".")[-1], "batch": batch, "ctx": ctx, "us": round(ms * 1e3, 1),
-                         "GB_s": round(nbytes / ms / 1e6), "splits": pa.decode_splits(batch, hk)})
+                         "GB_s": round(nbytes / ms / 1e6), "splits": splits})
             del cache
     return rows
 
@@ -431,6 +434,8 @@ def bench_format(args, fmt, results) -> dict:
     vocab = engine.runner.model.config["vocab_size"]
     offline(engine, fresh_prompts(min(32, args.num_requests), args.isl, vocab), 4)  # warm-up: prefill shapes
     res["batch1"] = latency(engine, random_prompts(1, args.isl, vocab, 2)[0], args.osl)
+    res["batch1_long"] = [latency(engine, random_prompts(1, int(isl), vocab, 3)[0], args.osl)
+                          for isl in filter(None, args.latency_isl.split(","))]
     warm_up(engine, args, args.isl, args.osl, args.num_requests)
     res["max_load"] = offline(engine, fresh_prompts(args.num_requests, args.isl, vocab), args.osl)
     if fmt == "bf16" and "output_tok_s" in results.get("hf", {}):
@@ -492,6 +497,9 @@ def markdown(r: dict) -> str:
             lines.append(f"| {s['format']} | {s['weight_gib']} | {b['decode_tok_s']} | {b['ttft_ms']} | "
                          f"{b['itl_ms_median']} | {m['output_tok_s']} | {m['requests']} x {m['isl']}/{m['osl']} | "
                          f"{s['kv_tokens']} |")
+            for lb in s.get("batch1_long", []):
+                lines.append(f"| {s['format']}, batch 1, ISL {lb['isl']} | | {lb['decode_tok_s']} | {lb['ttft_ms']} | "
+                             f"{lb['itl_ms_median']} | | | |")
             for e in s.get("extra", []):
                 if "output_tok_s" in e:
                     lines.append(f"| {s['format']} | | | | | {e['output_tok_s']} | {e['requests']} x "

@@ -11,18 +11,18 @@ from lowbit.serve.cuda_graphs import DecodeGraphs
 class EmulatedGraph:
     """replay() = the captured forward, run eagerly on the same static buffers."""
 
-    def __init__(self, graphs: DecodeGraphs, bs: int):
-        self.graphs, self.bs = graphs, bs
+    def __init__(self, graphs: DecodeGraphs, key: tuple[int, bool]):
+        self.graphs, self.key = graphs, key
 
     def replay(self):
-        self.graphs.logits[self.bs].copy_(self.graphs._forward(self.bs))
+        self.graphs.logits[self.key].copy_(self.graphs._forward(*self.key))
 
 
-def emulated(model, max_batch_size, max_blocks, vocab):
-    g = DecodeGraphs(model, max_batch_size, max_blocks, torch.device("cpu"), sizes=(1, 2, 4))
-    for bs in g.sizes:
-        g.logits[bs] = torch.empty(bs, vocab)
-        g.graphs[bs] = EmulatedGraph(g, bs)
+def emulated(model, max_batch_size, max_blocks, vocab, num_kv_heads=2):
+    g = DecodeGraphs(model, max_batch_size, max_blocks, num_kv_heads, torch.device("cpu"), sizes=(1, 2, 4))
+    for key in [(bs, False) for bs in g.sizes] + [(bs, True) for bs in g.long_sizes]:
+        g.logits[key] = torch.empty(key[0], vocab)
+        g.graphs[key] = EmulatedGraph(g, key)
     return g
 
 
@@ -51,6 +51,38 @@ def test_graph_sizes_and_padding():
     assert slots.tolist() == [20, 41, 7, -1] and lens.tolist() == [5, 10, 2, 1]
     assert tables[:3, 0].tolist() == [1, 2, 0]
     assert logits.shape == (3, 5) and logits[:, 0].tolist() == [0, 1, 2]
+
+
+def test_long_context_graphs():
+    """A batch whose longest context is over LONG_CONTEXT replays the graph captured with long host-side contexts
+    (so its attention took decode_splits' long-context split count), where that count differs."""
+    from lowbit.kernels.paged_attention import LONG_CONTEXT, decode_splits
+    from lowbit.serve.context import StepContext
+
+    seen = []
+
+    class Fake(torch.nn.Module):
+        def forward(self, ids, ctx):
+            seen.append(max(ctx.context_lens_cpu))
+            return torch.zeros(ids.shape[0], 2)
+
+        def compute_logits(self, h):
+            return h[:, :1].expand(-1, 5).float()
+
+    g = emulated(Fake(), 64, 3, 5, num_kv_heads=8)
+    sizes = [1, 2, 4, 64]
+    assert g.sizes == sizes
+    assert g.long_sizes == {s for s in sizes if decode_splits(s, 8, LONG_CONTEXT + 1) != decode_splits(s, 8)}
+    assert g.long_sizes == {1, 2, 4}  # batch 64 x 8 KV heads fills the GPU without splits
+    for lens, bs, long in (([5, 10], 2, False), ([5, LONG_CONTEXT + 7], 2, True), ([LONG_CONTEXT + 7] * 40, 64, False)):
+        b = len(lens)
+        ctx = StepContext(positions=torch.zeros(b, dtype=torch.int64), slot_mapping=torch.zeros(b, dtype=torch.int64),
+                          query_start_loc=torch.arange(b + 1, dtype=torch.int32),
+                          context_lens=torch.tensor(lens, dtype=torch.int32),
+                          block_tables=torch.zeros(b, 1, dtype=torch.int32), logits_indices=torch.arange(b),
+                          is_decode=True, query_lens_cpu=[1] * b, context_lens_cpu=lens)
+        g.run(torch.zeros(b, dtype=torch.int64), ctx)
+        assert seen[-1] == (LONG_CONTEXT + 1 if long else 1), (lens, seen[-1])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test")

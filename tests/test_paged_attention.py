@@ -86,6 +86,31 @@ def test_decode_matches_reference(fp8, splits):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("splits", [8, 40])
+def test_decode_idle_splits_match_reference(fp8, splits, monkeypatch):
+    """More splits than a context fills: the idle ones write nothing (their partial rows stay uninitialized) and the
+    combine merges only the splits that ran, here 2 partial rows at a time (several passes, the last one masked)."""
+    monkeypatch.setattr(pa, "COMBINE_ROWS", 2)
+    kv_dtype = torch.float8_e4m3fn if fp8 else DTYPE
+    ctx = [1, 17, LONG, 64, 33]
+    c = make_case(ctx, [1] * len(ctx), dtype=DTYPE, kv_dtype=kv_dtype, seed=7, **SHAPES)
+    pa.store_kv_ref(c["k"], c["v"], c["cache"], c["slots"], *c["scales"])
+    args = (c["q"], c["cache"], c["tables"], c["ctx"], 0.125, *c["scales"])
+    out = pa.paged_decode(*args, num_splits=splits,
+                          variant=_variant_for_device(pa.decode_variant(len(ctx), SHAPES["hk"], fp8)))
+    assert rel_err(out, pa.paged_decode_ref(*args)) < 1e-2
+
+
+def test_decode_splits_policy():
+    """Shapes only, plus one bit of the longest context: more splits past LONG_CONTEXT, for batches that split at all
+    (Llama-8B's 8 KV heads; the figures behind the constants: paged_attention.py, benchmarks.md run 40)."""
+    long = pa.LONG_CONTEXT + 1
+    assert [pa.decode_splits(b, 8) for b in (1, 4, 16, 32, 64)] == [16, 9, 3, 2, 1]
+    assert [pa.decode_splits(b, 8, long) for b in (1, 4, 16, 32, 64)] == [64, 16, 4, 2, 1]
+    assert pa.decode_splits(1, 8, pa.LONG_CONTEXT) == 16  # up to LONG_CONTEXT keys: as before
+
+
+@pytest.mark.parametrize("fp8", [False, True])
 def test_prefill_and_extend_match_reference(fp8):
     kv_dtype = torch.float8_e4m3fn if fp8 else DTYPE
     ctx, qlen = [70, 5, 33, LONG // 3], [70, 5, 9, 1]  # whole prompts, a chunk after cached tokens, a decode

@@ -69,6 +69,17 @@ def decode_variant(batch: int, num_kv_heads: int, fp8: bool) -> DecodeVariant:
 
 MAX_SPLITS = 16
 TARGET_PROGRAMS = 264  # 2 per SM on the H200's 132 SMs
+# Past LONG_CONTEXT keys a small batch takes more splits: ~4 programs per SM. H200, `python3 bench/decode_splits.py`
+# (benchmarks.md run 40), us per call at context 2048 / 3072 / 4096 / 32768, FP8 KV (bf16 KV alike), splits
+# short -> long:
+#   batch 1 (16 -> 64)   7.6 / 9.0 / 10.1 / 48.2 -> 8.4 / 8.6 / 9.2 / 27.2
+#   batch 2 (16 -> 32)   8.2 / 9.7 / 11.0 / 53.6 -> 9.1 / 10.1 / 10.7 / 44.6
+#   batch 8 (5 -> 8)     15.6 / 23.2 / 29.7 / 180.8 -> 13.6 / 18.9 / 25.9 / 140.4
+# Below ~3072 keys the idle programs and the wider combine cost more than the extra splits gain at batch 1-2.
+LONG_CONTEXT = 3072
+MAX_SPLITS_LONG = 64
+TARGET_PROGRAMS_LONG = 512
+COMBINE_ROWS = 64  # partial rows the combine holds at once ([COMBINE_ROWS, D] fp32 over 4-8 warps)
 
 
 # ---- cache layout and references
@@ -296,16 +307,22 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
                    HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    BS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
                    QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
-    """Program (b, kv head, split): the G query heads of one KV head over one slice of the context.
+    """Program (b, kv head, split): the G query heads of one KV head over one slice of the context (_chunk).
     BLOCKS: tiles gathered block by block (DecodeVariant.blocks), else row by row."""
     wait_for_producers(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(ctx_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, ctx_len)
+    if DIRECT:  # one split
+        start = 0
+        end = ctx_len
+    else:
+        chunk = _chunk(ctx_len, num_splits, BLOCK_N)
+        start = split * chunk
+        if split > 0 and start >= ctx_len:  # an idle split: the combine reads only the first cdiv(ctx_len, chunk)
+            return
+        end = tl.minimum(start + chunk, ctx_len)
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     heads = kvh * G + offs_g
@@ -345,29 +362,49 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
         tl.store(lse_ptr + row, tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf")), mask=mask_g)
 
 
+@helper
+def _chunk(ctx_len, num_splits, BLOCK_N: tl.constexpr):
+    """Context tokens per split: ctx_len over num_splits, rounded up to whole tiles. Splits from cdiv(ctx_len,
+    chunk) on are idle (split 0 never is): a short context uses few of the splits launched."""
+    return tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
+
+
 @kernel
-def _combine_kernel(part_ptr, lse_ptr, os_ptr, out_ptr, num_splits, D: tl.constexpr, SP: tl.constexpr,
+def _combine_kernel(part_ptr, lse_ptr, ctx_ptr, os_ptr, out_ptr, num_splits, HQ: tl.constexpr,
+                    D: tl.constexpr, SP: tl.constexpr, BLOCK_N: tl.constexpr, COMBINE_ROWS: tl.constexpr,
                     model_dtype: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr):
-    """Program (b * HQ + h): merges the splits' partial outputs by their log-sum-exp."""
+    """Program (b * HQ + h): merges the partial outputs of the splits that ran, by their log-sum-exp."""
     wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
+    ctx_len = tl.load(ctx_ptr + row // HQ)
+    ran = tl.maximum(tl.cdiv(ctx_len, _chunk(ctx_len, num_splits, BLOCK_N)), 1)
     offs_s = tl.arange(0, SP)
     offs_d = tl.arange(0, D)
-    mask_s = offs_s < num_splits
-    lse = tl.load(lse_ptr + row * num_splits + offs_s, mask=mask_s, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
-    part = tl.load(part_ptr + (row * num_splits + offs_s)[:, None] * D + offs_d[None, :], mask=mask_s[:, None],
-                   other=0.0)
-    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    lse = tl.load(lse_ptr + row * num_splits + offs_s, mask=offs_s < ran, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    w_sum = tl.sum(tl.exp2(lse - lse_max), 0)
+    o = tl.zeros([D], tl.float32)
+    for s0 in range(0, ran, COMBINE_ROWS):  # partials COMBINE_ROWS splits at a time: [COMBINE_ROWS, D] in registers
+        offs_r = s0 + tl.arange(0, COMBINE_ROWS)
+        mask_r = offs_r < ran
+        w = tl.exp2(tl.load(lse_ptr + row * num_splits + offs_r, mask=mask_r, other=float("-inf")) - lse_max)
+        part = tl.load(part_ptr + (row * num_splits + offs_r)[:, None] * D + offs_d[None, :], mask=mask_r[:, None],
+                       other=0.0)
+        o += tl.sum(part * w[:, None], 0)
+    o = o / w_sum
     tl.store(out_ptr + row * D + offs_d, _output(o, os_ptr, model_dtype, QUANT_OUT))
 
 
 LOG2E = 1.4426950408889634
 
 
-def decode_splits(batch: int, num_kv_heads: int) -> int:
-    """Context splits per (sequence, KV head): enough programs to fill the GPU. Depends on shapes only (graphs)."""
-    return max(1, min(MAX_SPLITS, cdiv(TARGET_PROGRAMS, batch * num_kv_heads)))
+def decode_splits(batch: int, num_kv_heads: int, max_context: int = 0) -> int:
+    """Context splits per (sequence, KV head): enough programs to fill the GPU; more of them for a small batch with
+    a context over LONG_CONTEXT (max_context: the longest in the batch). CUDA graphs key on the result."""
+    splits = max(1, min(MAX_SPLITS, cdiv(TARGET_PROGRAMS, batch * num_kv_heads)))
+    if max_context <= LONG_CONTEXT or splits == 1:
+        return splits
+    return min(MAX_SPLITS_LONG, cdiv(TARGET_PROGRAMS_LONG, batch * num_kv_heads))
 
 
 def block_gather_fits(block_n: int, block_size: int) -> bool:
@@ -378,6 +415,7 @@ def block_gather_fits(block_n: int, block_size: int) -> bool:
 def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scale,
                  num_splits: int | None = None, out_scale=None, variant: DecodeVariant | None = None) -> torch.Tensor:
     """Triton: same contract as paged_decode_ref. No host sync (graph-capturable).
+    num_splits: context splits launched (default decode_splits); a sequence uses those its context fills (_chunk).
     variant: run this DecodeVariant instead of decode_variant's choice (benchmarks, tests)."""
     bsz, hq, d = q.shape
     _, _, bs, hk, _ = kv_cache.shape
@@ -404,6 +442,8 @@ def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scal
                                  BLOCKS=blocks, num_warps=cfg.warps, num_stages=cfg.stages,
                                  **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if s > 1:
-        _combine_kernel[(bsz * hq,)](part, lse, os_, out, s, D=d, SP=next_pow2(s), model_dtype=_tl_dtype(q.dtype),
-                                     QUANT_OUT=out_scale is not None, num_warps=4)
+        _combine_kernel[(bsz * hq,)](part, lse, context_lens, os_, out, s, HQ=hq, D=d, SP=next_pow2(s),
+                                     BLOCK_N=cfg.block_n, COMBINE_ROWS=min(COMBINE_ROWS, next_pow2(s)),
+                                     model_dtype=_tl_dtype(q.dtype), QUANT_OUT=out_scale is not None,
+                                     num_warps=4 if s <= 16 else 8)
     return out

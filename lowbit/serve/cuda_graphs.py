@@ -1,4 +1,6 @@
-"""Decode steps replayed from CUDA graphs, one per batch size in a fixed set (a batch runs in the next size up).
+"""Decode steps replayed from CUDA graphs, one per batch size in a fixed set (a batch runs in the next size up), and a
+second one for the sizes whose decode attention splits contexts over LONG_CONTEXT keys more finely
+(paged_attention.decode_splits), replayed when the batch's longest context is over it.
 
 Each graph reads static input buffers (input ids, positions, slots, context lengths, block tables) and writes the
 logits of every row; padded rows store nothing (slot -1) and attend to one key of block 0. Nothing inside a
@@ -6,6 +8,7 @@ replay synchronises with the host. Needs an attention backend whose decode path 
 """
 import torch
 
+from lowbit.kernels.paged_attention import LONG_CONTEXT, decode_splits
 from lowbit.serve.context import StepContext
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832,
@@ -13,10 +16,12 @@ DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 38
 
 
 class DecodeGraphs:
-    def __init__(self, model, max_batch_size: int, max_blocks_per_seq: int, device: torch.device,
+    def __init__(self, model, max_batch_size: int, max_blocks_per_seq: int, num_kv_heads: int, device: torch.device,
                  sizes=DEFAULT_SIZES):
         self.model = model
         self.sizes = sorted({s for s in sizes if s < max_batch_size} | {max_batch_size})
+        self.long_sizes = {s for s in self.sizes
+                           if decode_splits(s, num_kv_heads, LONG_CONTEXT + 1) != decode_splits(s, num_kv_heads)}
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -24,31 +29,34 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, long contexts)
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
 
-    def _context(self, bs: int) -> StepContext:
+    def _context(self, bs: int, long: bool) -> StepContext:
+        """The step context a graph is captured with: its host-side context lengths only pick the split count."""
         return StepContext(positions=self.positions[:bs], slot_mapping=self.slot_mapping[:bs],
                            query_start_loc=self.query_start_loc[:bs + 1], context_lens=self.context_lens[:bs],
                            block_tables=self.block_tables[:bs], logits_indices=self.query_start_loc[:bs].long(),
-                           is_decode=True, query_lens_cpu=[1] * bs, context_lens_cpu=[1] * bs)
+                           is_decode=True, query_lens_cpu=[1] * bs,
+                           context_lens_cpu=[LONG_CONTEXT + 1 if long else 1] * bs)
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:bs], self._context(bs))
+    def _forward(self, bs: int, long: bool) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:bs], self._context(bs, long))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Largest first, all graphs in one memory pool."""
-        for bs in reversed(self.sizes):
-            self._forward(bs)  # warm-up: compiles kernels outside the capture
+        keys = [(bs, long) for bs in reversed(self.sizes) for long in (False, True) if not long or bs in self.long_sizes]
+        for key in keys:
+            self._forward(*key)  # warm-up: compiles kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[bs] = self._forward(bs)
+                self.logits[key] = self._forward(*key)
             self.pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize()
 
     def can_run(self, ctx: StepContext) -> bool:
@@ -66,5 +74,6 @@ class DecodeGraphs:
         self.context_lens[:b].copy_(ctx.context_lens)
         self.context_lens[b:bs].fill_(1)
         self.block_tables[:b, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
-        self.graphs[bs].replay()
-        return self.logits[bs][:b]
+        key = (bs, bs in self.long_sizes and max(ctx.context_lens_cpu) > LONG_CONTEXT)
+        self.graphs[key].replay()
+        return self.logits[key][:b]

@@ -55,7 +55,8 @@ class ModelRunner:
         max_len = min(x for x in limits if x)
         max_blocks = -(-max_len // bs)
         width = -(-max_blocks // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE  # as wide as any table handed out
-        graphs = DecodeGraphs(self.model, self.config.max_batch_size, width, self.device)
+        num_kv_heads = model_config.get("num_key_value_heads") or model_config["num_attention_heads"]
+        graphs = DecodeGraphs(self.model, self.config.max_batch_size, width, num_kv_heads, self.device)
         graphs.capture()
         return graphs
 

@@ -37,9 +37,10 @@ class TritonAttentionBackend:
     @staticmethod
     def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None) -> torch.Tensor:
         n = len(ctx.query_lens_cpu) if ctx.is_decode else leading_single_tokens(ctx.query_lens_cpu)
+        splits = pa.decode_splits(n, kv_cache.shape[3], max(ctx.context_lens_cpu[:n])) if n else 0
         if n == len(ctx.query_lens_cpu):  # decodes, or one-token prompt chunks only: one row per sequence
             return pa.paged_decode(q, kv_cache, ctx.block_tables, ctx.context_lens, scale, k_scale, v_scale,
-                                   out_scale=out_scale)
+                                   num_splits=splits, out_scale=out_scale)
         if n == 0:
             return paged_prefill(q, kv_cache, ctx.query_start_loc, ctx.context_lens, ctx.block_tables,
                                  max(ctx.query_lens_cpu), scale, k_scale, v_scale, out_scale)
@@ -48,5 +49,5 @@ class TritonAttentionBackend:
         out = paged_prefill(q, kv_cache, ctx.query_start_loc[n:], ctx.context_lens[n:], ctx.block_tables[n:],
                             max(ctx.query_lens_cpu[n:]), scale, k_scale, v_scale, out_scale)
         out[:n] = pa.paged_decode(q[:n], kv_cache, ctx.block_tables[:n], ctx.context_lens[:n], scale, k_scale,
-                                  v_scale, out_scale=out_scale)
+                                  v_scale, num_splits=splits, out_scale=out_scale)
         return out
