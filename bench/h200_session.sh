@@ -10,7 +10,7 @@
 #   bash bench/h200_session.sh w4       # W4A16 at M = 2-16: checks, sweep, times; int4_awq / nvfp4 decode steps
 #   bash bench/h200_session.sh compiles # 768 x 1000/1000: slow steps and the Triton kernels first built mid-run
 #   bash bench/h200_session.sh pdl      # decode-step graph replays of every format, PDL on and off (LOWBIT_PDL=0)
-#   bash bench/h200_session.sh stages   # the M = 1 W4 GEMV on Triton's software pipeline (STAGES) vs the default
+#   bash bench/h200_session.sh splits   # decode attention at batch 1-16: the context-split counts, short and long
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -102,10 +102,13 @@ pdl)
             --json "$OUT/replay_pdl$pdl.json" 2>&1 | grep '"format"'
     done
     ;;
-stages)
-    part "W4 GEMV: the default (register prefetch, first step before the PDL wait) vs cp.async pipelines (STAGES)"
-    timeout 400 python3 bench/w4_gemv_bench.py --configs "8,2048,2,3;8,2048,2,4;4,1024,1,4;8,1024,1,6;4,2048,2,3" \
-        --json "$OUT/w4_gemv_stages.json" 2>&1 | grep -E 'FAIL|^#|per token|checks_done'
+splits)
+    part "decode attention at batch 1-16, context 1024-32768: decode_splits' short and long-context split counts"
+    timeout 200 python3 bench/decode_splits.py --batches 1,2,4,8,16 --contexts 1024,2048,3072,4096,32768 --splits x1 \
+        --json "$OUT/decode_splits.json" 2>&1 | grep -E '^\||failed'
+    part "batch-1 decode with long prompts (ISL 8192 and 32000), int4_awq and fp8"
+    timeout 300 python3 bench/serve_bench.py --formats int4_awq,fp8 --phases formats --num-requests 16 \
+        --max-batch-size 16 --isl 128 --osl 64 --latency-isl 8192,32000 --json "$OUT/serve_long.json" 2>&1 | grep -E '^\['
     ;;
 ncu)
     part "Nsight Compute (full set, clocks as they run) of one launch of each kernel; reports and text in \$OUT"
@@ -122,7 +125,7 @@ ncu)
     done
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|stages" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits" >&2
     exit 2
     ;;
 esac

@@ -10,9 +10,7 @@ Each program owns BLOCK_N output rows over all of K (no split-K, no second launc
   loads of 4 rows (one group per chunk; two per chunk for groups of 16 and NVFP4 blocks). The dims are ordered so
   that the coalescer gives words, x, scales and accumulator one register layout: no convert_layout, no shared
   memory in the loop.
-- The next step's words and scales are loaded while this step is computed (the last step reloads itself); the first
-  step is loaded before the PDL wait (lowbit.kernels._triton). GEMV_CONFIG's STAGES >= 2 hands the loads to Triton's
-  software pipeline instead (untimed).
+- The next step's words and scales are loaded while this step is computed (the last step reloads itself).
 - INT4: one shift per two nibbles: nibbles 2j, 2j+1 of (word << 15 - 8j) sit at bits 15..18 and 19..22, OR'd into
   the mantissa of 256.0 / 16.0 (one LOP3 each: the OR constant is a kernel argument, so it lives in a register):
   v = 256 + u or 16 + u, exact. Per chunk and row one fp32 FMA chain over the 32 products starts at
@@ -31,21 +29,18 @@ import torch
 from lowbit.kernels._triton import cdiv, early_kernel, helper, interpreting, tl, use_triton, wait_for_producers
 
 GEMV_MAX_M = 1  # w4a16_gemm dispatches M <= this to the GEMV: at M = 2 the tensor-core kernel is already as fast
-GEMV_CONFIG = (8, 2048, 2, 0)  # (BLOCK_N, BLOCK_K, num_warps, STAGES): best of the H200 sweep for both formats (128
-# registers; BLOCK_K 2048 divides every KP of Llama-3.1-8B: no masked step). STAGES 0: the next step's weights
-# prefetched in registers, the first one before the PDL wait; STAGES >= 2: Triton's software pipeline instead
-# (STAGES - 1 steps of words, scales and x in flight through shared memory by cp.async; 80-96 registers, offline
-# SASS, triton 3.6), not timed yet: bench/w4_gemv_bench.py --configs
+GEMV_CONFIG = (8, 2048, 2)  # (BLOCK_N, BLOCK_K, num_warps): best of the H200 sweep for both formats (128 registers;
+# BLOCK_K 2048 divides every KP of Llama-3.1-8B: no masked step)
 
 
 def w4_gemv(x, w, bias=None, config=None):
     """x [1, K] bf16/fp16/fp32 -> [1, N] in x's dtype, w a lowbit.kernels.w4a16.W4Weight.
-    config (BLOCK_N, BLOCK_K, num_warps[, STAGES]), default GEMV_CONFIG; BLOCK_K a multiple of 1024 x num_warps."""
+    config (BLOCK_N, BLOCK_K, num_warps), default GEMV_CONFIG; BLOCK_K a multiple of 1024 x num_warps."""
     assert use_triton(x)
     x = x.contiguous()
     M, K = x.shape
     assert M == 1, "the GEMV takes M = 1"
-    block_n, block_k, warps, stages = (tuple(config) + (0,))[:4] if config else GEMV_CONFIG
+    block_n, block_k, warps = config or GEMV_CONFIG
     assert block_k % (1024 * warps) == 0, (block_k, warps)  # C = BLOCK_K / 32 chunks cover all threads
     assert block_n % 4 == 0, block_n  # INT4 scales of 4 rows per load
     if w.fmt == "int4":
@@ -57,7 +52,7 @@ def w4_gemv(x, w, bias=None, config=None):
         N, K, KP, KP // 8, w.global_scale * (2.0**14 if w.fmt == "nvfp4" else 1.0), 0x43800000,
         IS_FP4=w.fmt == "nvfp4", GROUP=w.group, HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=KP % block_k == 0, MASK_X=K % block_k != 0,
-        STAGES=stages, USE_ASM=not interpreting(), num_warps=warps)
+        USE_ASM=not interpreting(), num_warps=warps)
     return out
 
 
@@ -253,10 +248,10 @@ def _step(acc, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4: tl.co
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, N, K, KP, w_stride, global_scale, magic,
                     IS_FP4: tl.constexpr, GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MASK_X: tl.constexpr,
-                    STAGES: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
+                    USE_ASM: tl.constexpr, PDL: tl.constexpr):
     """out[0, n] for BLOCK_N rows n, all of K. EVEN_K: BLOCK_K | KP (no masked chunk); MASK_X: K % BLOCK_K != 0
     (x and pre_quant_scale masked past K; the padded weights past K are 0 anyway). The first step's weights are
-    loaded before waiting for x's producer (PDL) unless STAGES (see GEMV_CONFIG)."""
+    loaded before waiting for x's producer (PDL)."""
     C: tl.constexpr = BLOCK_K // 32
     # magic = 0x43800000 (256.0f) from the host: an opaque value lives in a register, so that each nibble's mask and
     # OR is one LOP3 (with two immediates ptxas emits two)
@@ -271,23 +266,15 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, N, K, KP
     w_ptrs = w_ptr + n_rows[None, :, None] * w_stride + (4 * cc)[:, None, None] + tl.arange(0, 4)[None, None, :]
     acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
     n_steps = tl.cdiv(KP, BLOCK_K)
-    if STAGES == 0:
-        words, sc = _load_step(w_ptrs, s_ptr, 0, cc, n_rows, offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
+    words, sc = _load_step(w_ptrs, s_ptr, 0, cc, n_rows, offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
     wait_for_producers(PDL)
-    if STAGES == 0:
-        for kb in range(0, n_steps):
-            k0 = kb * BLOCK_K  # (a multiple of BLOCK_K the compiler can see: aligned 16-byte x loads)
-            words_next, sc_next = _load_step(w_ptrs, s_ptr, tl.minimum(kb + 1, n_steps - 1) * BLOCK_K, cc, n_rows,
-                                             offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
-            acc = _step(acc, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4, TWO_SCALES, HAS_SMOOTH,
-                        MASK_X, USE_ASM)
-            words, sc = words_next, sc_next
-    else:
-        for kb in tl.range(0, n_steps, num_stages=STAGES):
-            k0 = kb * BLOCK_K
-            words, sc = _load_step(w_ptrs, s_ptr, k0, cc, n_rows, offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
-            acc = _step(acc, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4, TWO_SCALES, HAS_SMOOTH,
-                        MASK_X, USE_ASM)
+    for kb in range(0, n_steps):
+        k0 = kb * BLOCK_K  # (a multiple of BLOCK_K the compiler can see: aligned 16-byte x loads)
+        words_next, sc_next = _load_step(w_ptrs, s_ptr, tl.minimum(kb + 1, n_steps - 1) * BLOCK_K, cc, n_rows,
+                                         offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
+        acc = _step(acc, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4, TWO_SCALES, HAS_SMOOTH, MASK_X,
+                    USE_ASM)
+        words, sc = words_next, sc_next
     out = tl.sum(acc, axis=0) * global_scale
     if HAS_BIAS:
         out += tl.load(bias_ptr + n_rows).to(tl.float32)
