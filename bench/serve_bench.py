@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -207,7 +208,13 @@ def fp8_linear_fp32(x, p, bias, out_dtype):
     return y.to(out_dtype or (torch.bfloat16 if x.dtype == torch.float8_e4m3fn else x.dtype))
 
 
-LAYER_OPS = ("quant_linear", "rms_norm", "rotary", "silu_and_mul")  # the kernel ops lowbit.serve.layers calls
+LAYER_OPS = ("dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul")  # the kernel ops layers call
+
+
+def dense_linear_fp32(x, weight, bias=None):
+    """An unquantized linear in fp32 math, rounded to x's dtype."""
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
 
 
 @contextmanager
@@ -230,7 +237,7 @@ def reference_path(engine, reader_rounding: bool = False):
 
     saved = {n: getattr(layers_mod, n) for n in LAYER_OPS}
     backend, graphs = attn_mod._backend, engine.runner.graphs
-    layers_mod.quant_linear, layers_mod.rms_norm = ref_linear, rms_norm_ref
+    layers_mod.dense_linear, layers_mod.quant_linear, layers_mod.rms_norm = dense_linear_fp32, ref_linear, rms_norm_ref
     layers_mod.rotary, layers_mod.silu_and_mul = rotary_ref, silu_and_mul_ref  # rotary_store_kv: the backend's
     attn_mod.set_attention_backend(attn_mod.TorchAttentionBackend() if reader_rounding else Fp32KvAttention())
     engine.runner.graphs = None

@@ -9,7 +9,8 @@ Programmatic dependent launch (PDL, Hopper and later). Every kernel takes a `PDL
 `wait_for_producers(PDL)` before it reads anything an earlier kernel wrote and before it writes anything; before
 that call it may read only weights (never written while serving). The call waits for the kernels before it (a no-op
 unless this kernel was launched early) and lets the next kernel launch early. Only `early_kernel`s are launched
-early: the M = 1 W4 GEMV, whose first weight tiles then stream in while the small kernel before it finishes.
+early: the M = 1 GEMVs (w4_gemv, dense_gemv), whose first weight tiles then stream in while the small kernel before
+them finishes.
 Launching every kernel early measured slower at batch 16-256 (docs/serve_gpu_notes.md). LOWBIT_PDL=0: no PDL.
 """
 import inspect

@@ -13,11 +13,11 @@ rms_norm / silu_and_mul given quant_scale=input_scale; the output is then bf16 (
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from lowbit.checkpoint.formats import dequantize_weight, quantize_activation
 from lowbit.kernels import w4a16, w8a8
 from lowbit.kernels._triton import on_gpu
+from lowbit.kernels.dense_gemv import dense_linear
 
 PLAIN_ALGOS = (None, "bf16", "BF16", "fp16", "FP16", "none")
 W8A8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "W8A8_SQ_PER_CHANNEL")
@@ -27,7 +27,7 @@ W4_ALGOS = ("NVFP4", "W4A16_NVFP4", "W4A16_AWQ")
 @dataclass
 class PreparedLinear:
     algo: str  # a modelopt quant_algo, or "bf16" for a plain layer
-    kind: str  # "dense" (F.linear), "w8a8" (act_quant + fp8/int8 GEMM), "w4" (4-bit dequant GEMM), "source"
+    kind: str  # "dense" (F.linear, or the decode GEMV at one row), "w8a8" (act_quant + fp8/int8 GEMM), "w4" (4-bit dequant GEMM), "source"
     in_features: int
     out_features: int
     weight: torch.Tensor | w4a16.W4Weight | None = None
@@ -152,7 +152,7 @@ def run_kernels(x: torch.Tensor, p: PreparedLinear, bias: torch.Tensor | None = 
         y = w8a8.w8a8_linear_prequantized(x2, p.weight, p.weight_scale, p.input_scale, bias, _out_dtype(x, out_dtype))
     elif p.kind == "dense":
         xs = x2 * p.smooth.to(x.dtype) if p.smooth is not None else x2
-        y = F.linear(xs, p.weight.to(x.dtype), bias.to(x.dtype) if bias is not None else None)
+        y = dense_linear(xs, p.weight.to(x.dtype), bias.to(x.dtype) if bias is not None else None)
     elif p.kind == "w8a8":
         y = w8a8.w8a8_linear(x2, p.weight, p.weight_scale, p.input_scale, p.smooth, bias)
     else:

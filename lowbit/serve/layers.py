@@ -2,10 +2,9 @@
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from lowbit.kernels import linear as quant_linear
+from lowbit.kernels import dense_linear, linear as quant_linear
 from lowbit.kernels import prepare_linear, rms_norm, rotary, silu_and_mul
 from lowbit.serve.fuse import fp8_part_scales, merge_linear_tensors
 
@@ -46,7 +45,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.algo is None:
-            return F.linear(x, self.weight, self.bias)
+            return dense_linear(x, self.weight, self.bias)
         return quant_linear(x, self.prepared, self.bias, out_dtype=self.dtype)
 
 

@@ -1,0 +1,85 @@
+"""Decode (M = 1) GEMV for plain bf16 / fp16 weights: y = x @ W^T, W [N, K] as stored, CUDA cores, fp32 sums.
+
+Each program owns BLOCK_N output rows over all of K. A K step is C = BLOCK_K / 8 chunks of 8 elements (16 bytes)
+per row; chunk c goes to thread c mod (32 x num_warps), and a thread holds every row of its chunks: one 16-byte
+load per row and chunk (.cg: L2 only) and one 16-byte x load per chunk, shared by the rows (the same register layout
+as lowbit.kernels.w4_gemv's words). The next step's weights are loaded while this step is computed; the first step
+is loaded before the PDL wait (lowbit.kernels._triton), so its weights stream while the kernel before finishes.
+Per weight: one conversion to fp32 and one FMA; at 2 bytes per weight the kernel is bound by HBM, not by issue.
+"""
+import torch
+import torch.nn.functional as F
+
+from lowbit.kernels._triton import cdiv, early_kernel, on_gpu, tl, use_triton, wait_for_producers
+
+BLOCK_K, WARPS = 1024, 4
+MAX_PROGRAMS_AT_4_ROWS = 1024
+# H200, Llama-3.1-8B shapes (`python3 bench/dense_gemv_bench.py`, benchmarks.md run 40), us per call: 4 rows per
+# program up to 1024 programs (o 4096->4096 9.7, down 14336->4096 28.7), else 8 (qkv 4096->6144 14.3, gate_up
+# 4096->28672 58.6, lm_head 4096->128256 241.2); cuBLAS bf16 16.8 / 13.3 / 32.4 / 57.4 / 247.4.
+
+
+def gemv_config(n: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for N output rows."""
+    return (4 if cdiv(n, 4) <= MAX_PROGRAMS_AT_4_ROWS else 8), BLOCK_K, WARPS
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), run by the GEMV when x is one bf16 / fp16 row on the GPU (decode at batch 1)."""
+    if on_gpu(x) and x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16) \
+            and weight.dtype == x.dtype:
+        return dense_gemv(x.reshape(1, -1), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+def dense_gemv(x, weight, bias=None, config=None):
+    """x [1, K] bf16/fp16, weight [N, K] of x's dtype -> [1, N] in x's dtype (fp32 sums).
+    config (BLOCK_N, BLOCK_K, num_warps), default gemv_config(N); BLOCK_K / 8 a multiple of 32 x num_warps."""
+    assert use_triton(x)
+    assert x.shape[0] == 1 and weight.dtype == x.dtype and weight.shape[1] == x.shape[1], (x.shape, weight.shape)
+    block_n, block_k, warps = config or gemv_config(weight.shape[0])
+    assert block_k % (8 * 32 * warps) == 0, (block_k, warps)
+    x = x.contiguous()
+    weight = weight.contiguous()
+    N, K = weight.shape
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    _dense_gemv_kernel[(cdiv(N, block_n),)](x, weight, bias if bias is not None else x, out, N, K,
+                                           HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+                                           EVEN_K=K % block_k == 0, num_warps=warps)
+    return out
+
+
+@early_kernel
+def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """out[0, n] for BLOCK_N rows n (clamped for the loads, masked at the store). EVEN_K: BLOCK_K | K."""
+    C: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    cc = tl.arange(0, C)
+    e8 = tl.arange(0, 8)
+    kk = (8 * cc)[:, None, None] + e8[None, None, :]  # [C, 1, 8]: k of each element in the step
+    w_ptrs = w_ptr + n_rows[None, :, None] * K + kk  # [C, BN, 8]
+    acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
+    n_steps = tl.cdiv(K, BLOCK_K)
+    if EVEN_K:
+        w = tl.load(w_ptrs, cache_modifier=".cg")
+    else:
+        w = tl.load(w_ptrs, mask=kk < K, other=0.0, cache_modifier=".cg")
+    wait_for_producers(PDL)
+    for kb in range(0, n_steps):
+        k0 = kb * BLOCK_K
+        k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
+        if EVEN_K:
+            w_next = tl.load(w_ptrs + k_next, cache_modifier=".cg")
+            xs = tl.load(x_ptr + k0 + kk)
+        else:
+            w_next = tl.load(w_ptrs + k_next, mask=k_next + kk < K, other=0.0, cache_modifier=".cg")
+            xs = tl.load(x_ptr + k0 + kk, mask=k0 + kk < K, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * xs.to(tl.float32), axis=2)
+        w = w_next
+    out = tl.sum(acc, axis=0)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n_rows).to(tl.float32)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)

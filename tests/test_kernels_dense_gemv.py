@@ -1,0 +1,43 @@
+"""Decode GEMV for plain bf16 / fp16 weights (lowbit.kernels.dense_gemv, M = 1) on CPU under the Triton interpreter,
+against fp32 math rounded to the output dtype: one and several K steps, K ragged (masked last step), N odd / not a
+multiple of BLOCK_N, bias, several chunks per thread. The GPU side: bench/dense_gemv_bench.py (same reference)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from lowbit.kernels._triton import interpreting  # noqa: E402
+from lowbit.kernels.dense_gemv import dense_gemv  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreting(),
+                                reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
+TOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}  # the interpreter truncates fp32 -> bf16 (~4e-3), fp16 rounds
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("k,n,config,dtype,bias", [
+    (256, 8, (8, 256, 1), torch.bfloat16, False),  # one even step
+    (1024, 12, (8, 256, 1), torch.float16, True),  # four steps; N not a multiple of BLOCK_N
+    (300, 5, (4, 256, 1), torch.float16, True),  # K ragged: the second step masked
+    (700, 33, (4, 512, 1), torch.float16, False),  # two chunks per thread, K < 2 steps
+    (1000, 9, (8, 512, 2), torch.bfloat16, True),  # two warps
+])
+def test_dense_gemv_matches_fp32_math(k, n, config, dtype, bias):
+    g = torch.Generator().manual_seed(k + n)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    ref = (x.float() @ w.float().T + (b.float() if bias else 0)).to(dtype)
+    out = dense_gemv(x, w, b, config)
+    assert out.shape == (1, n) and out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_dense_gemv_rejects_a_config_that_does_not_cover_the_threads():
+    x = torch.randn(1, 256)
+    with pytest.raises(AssertionError):
+        dense_gemv(x.bfloat16(), torch.randn(4, 256).bfloat16(), None, (4, 128, 1))
