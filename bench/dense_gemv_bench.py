@@ -1,7 +1,9 @@
 """bf16 decode GEMV (lowbit.kernels.dense_gemv, M = 1) on the GPU: checked against fp32 math, then timed against
-cuBLAS (F.linear) on Llama-3.1-8B's shapes, lm_head included.
+cuBLAS (F.linear) on Llama-3.1-8B's shapes, lm_head included. --fp8: the FP8 GEMV (fp8_gemv: FP8 x and weights,
+per-tensor scales) against scaled_gemm_ref, timed against what the engine runs for an FP8 linear at M = 1
+(w8a8_linear_prequantized: fp8_small_m or torch._scaled_mm); lm_head stays bf16 in FP8 checkpoints and is left out.
 
-`python3 bench/dense_gemv_bench.py [--configs "BN,BK,W;..."] [--reps N] [--json FILE]`
+`python3 bench/dense_gemv_bench.py [--fp8] [--configs "BN,BK,W;..."] [--reps N] [--json FILE]`
 Configs: gemv_config's choice per shape (None), then --configs.
 1. checks every config against x.float() @ W.float().T rounded to bf16 on fresh random inputs (the four linears,
    ragged K and odd N with bias, fp16): rel err = ||out - ref|| / ||ref||, FAIL at TOL or more (exit 1);
@@ -18,18 +20,34 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lowbit.bench_cli import load_script  # noqa: E402
-from lowbit.kernels import dense_gemv  # noqa: E402
+from lowbit.kernels import dense_gemv, w8a8  # noqa: E402
+from lowbit.kernels.scaled_gemm import scaled_gemm_ref  # noqa: E402
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096),
           ("lm_head", 4096, 128256)]
 LAYERS = 32
 TOL = 2e-3  # both sides rounded to bf16: rounding flips only
 CHECKS = [(4096, 6144, torch.bfloat16, False), (14336, 4096, torch.bfloat16, False), (4096 + 72, 1030, torch.bfloat16,
-          True), (2000, 77, torch.float16, True)]
+          True), (2000, 77, torch.float16, True)]  # K, N, x dtype, bias
+FP8_CHECKS = [(4096, 6144, False), (14336, 4096, False), (4096 + 72, 1030, True), (2000, 77, True)]  # K, N, row scales
 
 
 def rel_err(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def check_fp8(config) -> list[dict]:
+    rows = []
+    for k, n, row_scales in FP8_CHECKS:
+        q = (torch.randn(1, k, device="cuda") * 20).to(torch.float8_e4m3fn)
+        w = (torch.randn(n, k, device="cuda") * 20).to(torch.float8_e4m3fn)
+        sa = torch.tensor(0.01, device="cuda")
+        sb = torch.rand(n, device="cuda") * 1e-3 + 1e-4 if row_scales else torch.tensor(3e-4, device="cuda")
+        ref = scaled_gemm_ref(q, w, sa, sb, None, torch.bfloat16)
+        err = rel_err(dense_gemv.fp8_gemv(q, w, sa, sb, None, torch.bfloat16, config), ref)
+        rows.append({"kind": "check", "config": config, "K": k, "N": n, "fmt": "fp8", "row_scales": row_scales,
+                     "rel_err": round(err, 6), "ok": err < TOL})
+    return rows
 
 
 def check(config) -> list[dict]:
@@ -45,10 +63,32 @@ def check(config) -> list[dict]:
     return rows
 
 
+def time_shape(shape, k, n, configs, fp8: bool, reps: int, w4) -> dict:
+    """us per call of the baseline and of each config, over enough weight copies to stream from HBM."""
+    if fp8:
+        x = (torch.randn(1, k, device="cuda") * 20).to(torch.float8_e4m3fn)
+        ws = [(torch.randn(n, k, device="cuda") * 20).to(torch.float8_e4m3fn) for _ in range(w4.copies_for(n * k))]
+        sa, sb = torch.tensor(0.01, device="cuda"), torch.tensor(3e-4, device="cuda")
+        baseline = lambda w: w8a8.w8a8_linear_prequantized(x, w, sb, sa, None, torch.bfloat16)  # noqa: E731
+        gemv = lambda w, c: dense_gemv.fp8_gemv(x, w, sa, sb, None, torch.bfloat16, c)  # noqa: E731
+    else:
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(w4.copies_for(2 * n * k))]
+        baseline = lambda w: F.linear(x, w)  # noqa: E731
+        gemv = lambda w, c: dense_gemv.dense_gemv(x, w, None, c)  # noqa: E731
+    times = {(shape, "baseline"): w4.graph_time_us([lambda w=w: baseline(w) for w in ws], reps)}
+    for config in configs:
+        times[shape, config] = w4.graph_time_us([lambda w=w, c=config: gemv(w, c) for w in ws], reps)
+    del ws
+    torch.cuda.empty_cache()
+    return times
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="", help="more configs BN,BK,W;... beside gemv_config's choice")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--fp8", action="store_true", help="the FP8 GEMV against the engine's FP8 route at M = 1")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -58,30 +98,28 @@ def main(argv=None) -> int:
     configs = [None] + [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
     out = open(args.json, "w") if args.json else sys.stdout
     failed = 0
+    shapes = SHAPES[:4] if args.fp8 else SHAPES
     for config in configs:
-        for r in check(config):
+        for r in (check_fp8 if args.fp8 else check)(config):
             failed += not r["ok"]
             print(json.dumps(r), file=out)
-    times = {}
-    for shape, k, n in SHAPES:
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(w4.copies_for(2 * n * k))]
-        times[shape, "cublas"] = w4.graph_time_us([lambda w=w: F.linear(x, w) for w in ws], args.reps)
-        for config in configs:
-            times[shape, config] = w4.graph_time_us([lambda w=w: dense_gemv.dense_gemv(x, w, None, config)
-                                                     for w in ws], args.reps)
-        del ws
-        torch.cuda.empty_cache()
-        for key in ("cublas", *configs):
-            print(json.dumps({"kind": "time", "shape": shape, "K": k, "N": n, "op": key or "gemv_config", "us": round(times[shape, key], 2),
-                              "GBps": round(2 * n * k / times[shape, key] / 1e3)}), file=out)
-    cols = ["cublas", *configs]
-    print("\n| shape | " + " | ".join(f"{c or 'gemv_config'} us (GB/s)" for c in cols) + " |")
+    times, elem = {}, 1 if args.fp8 else 2
+    for shape, k, n in shapes:
+        times.update(time_shape(shape, k, n, configs, args.fp8, args.reps, w4))
+        for key in ("baseline", *configs):
+            print(json.dumps({"kind": "time", "shape": shape, "K": k, "N": n, "fmt": "fp8" if args.fp8 else "bf16",
+                              "op": key or "gemv_config", "us": round(times[shape, key], 2),
+                              "GBps": round(elem * n * k / times[shape, key] / 1e3)}), file=out)
+    cols = ["baseline", *configs]
+    base = "engine FP8 route" if args.fp8 else "cuBLAS bf16"
+    print("\n| shape | " + " | ".join(f"{c or 'gemv_config'} us (GB/s)".replace("baseline", base) for c in cols)
+          + " |")
     print("|---|" + "---|" * len(cols))
-    for shape, k, n in SHAPES:
-        print(f"| {shape} {k}->{n} | " + " | ".join(f"{times[shape, c]:.1f} ({2 * n * k / times[shape, c] / 1e3:.0f})"
-                                                    for c in cols) + " |")
-    per_token = {c: LAYERS * sum(times[s, c] for s, _, _ in SHAPES[:4]) / 1e3 + times["lm_head", c] / 1e3 for c in cols}
+    for shape, k, n in shapes:
+        print(f"| {shape} {k}->{n} | " + " | ".join(
+            f"{times[shape, c]:.1f} ({elem * n * k / times[shape, c] / 1e3:.0f})" for c in cols) + " |")
+    per_token = {c: LAYERS * sum(times[s, c] for s, _, _ in SHAPES[:4]) / 1e3
+                 + (0 if args.fp8 else times["lm_head", c] / 1e3) for c in cols}
     print("| per token, ms | " + " | ".join(f"{per_token[c]:.3f}" for c in cols) + " |")
     print(f"checks failed: {failed}")
     return 1 if failed else 0

@@ -11,6 +11,7 @@
 #   bash bench/h200_session.sh compiles # 768 x 1000/1000: slow steps and the Triton kernels first built mid-run
 #   bash bench/h200_session.sh pdl      # decode-step graph replays of every format, PDL on and off (LOWBIT_PDL=0)
 #   bash bench/h200_session.sh splits   # decode attention at batch 1-16: the context-split counts, short and long
+#   bash bench/h200_session.sh dense    # the batch-1 GEMV for bf16 weights, and its FP8 variant (not routed yet)
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -110,6 +111,12 @@ splits)
     timeout 300 python3 bench/serve_bench.py --formats int4_awq,fp8 --phases formats --num-requests 16 \
         --max-batch-size 16 --isl 128 --osl 64 --latency-isl 8192,32000 --json "$OUT/serve_long.json" 2>&1 | grep -E '^\['
     ;;
+dense)
+    part "batch-1 GEMV: bf16 weights (the engine's) vs cuBLAS; FP8 weights vs the engine's FP8 route (fp8_small_m / _scaled_mm)"
+    timeout 150 python3 bench/dense_gemv_bench.py --json "$OUT/dense_gemv.json" 2>&1 | grep -E '^\||failed'
+    timeout 200 python3 bench/dense_gemv_bench.py --fp8 --configs "8,2048,4;4,2048,4;4,1024,2;8,1024,2" \
+        --json "$OUT/fp8_gemv.json" 2>&1 | grep -E '^\||failed'
+    ;;
 ncu)
     part "Nsight Compute (full set, clocks as they run) of one launch of each kernel; reports and text in \$OUT"
     for t in "decode_fp8 _decode_kernel decode --kv fp8" "decode_bf16 _decode_kernel decode --kv bf16" \
@@ -125,7 +132,7 @@ ncu)
     done
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense" >&2
     exit 2
     ;;
 esac

@@ -41,3 +41,25 @@ def test_dense_gemv_rejects_a_config_that_does_not_cover_the_threads():
     x = torch.randn(1, 256)
     with pytest.raises(AssertionError):
         dense_gemv(x.bfloat16(), torch.randn(4, 256).bfloat16(), None, (4, 128, 1))
+
+
+@pytest.mark.parametrize("k,n,config,row_scales,bias", [
+    (512, 8, (8, 512, 1), False, False),  # one even step, per-tensor weight scale
+    (1200, 13, (4, 512, 1), True, True),  # three steps, the last masked; per-row weight scales; N odd
+    (2048, 6, (4, 1024, 2), True, False),  # two warps, two chunks per thread
+])
+def test_fp8_gemv_matches_scaled_gemm_ref(k, n, config, row_scales, bias):
+    """FP8 codes times FP8 codes are exact in fp32: only the order of the fp32 sums differs from the reference."""
+    from lowbit.kernels.dense_gemv import fp8_gemv
+    from lowbit.kernels.scaled_gemm import scaled_gemm_ref
+
+    g = torch.Generator().manual_seed(k + n)
+    q = (torch.randn(1, k, generator=g) * 20).to(torch.float8_e4m3fn)
+    w = (torch.randn(n, k, generator=g) * 20).to(torch.float8_e4m3fn)
+    sa = torch.tensor(0.01)
+    sb = torch.rand(n, generator=g) * 1e-3 + 1e-4 if row_scales else torch.tensor(3e-4)
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    ref = scaled_gemm_ref(q, w, sa, sb, b, torch.float32)
+    out = fp8_gemv(q, w, sa, sb, b, torch.float32, config)
+    assert out.shape == (1, n) and out.dtype == torch.float32
+    assert rel_err(out, ref) < 1e-5

@@ -1,27 +1,31 @@
-"""Decode (M = 1) GEMV for plain bf16 / fp16 weights: y = x @ W^T, W [N, K] as stored, CUDA cores, fp32 sums.
+"""Decode (M = 1) GEMV for weights stored one element per 1-2 bytes: bf16 / fp16 (dense_gemv, as stored), and FP8
+e4m3 with an FP8 x and fp32 scales (fp8_gemv; y = (q @ W^T) * scale_a * scale_b). CUDA cores, fp32 sums.
 
-Each program owns BLOCK_N output rows over all of K. A K step is C = BLOCK_K / 8 chunks of 8 elements (16 bytes)
-per row; chunk c goes to thread c mod (32 x num_warps), and a thread holds every row of its chunks: one 16-byte
-load per row and chunk (.cg: L2 only) and one 16-byte x load per chunk, shared by the rows (the same register layout
+Each program owns BLOCK_N output rows over all of K. A K step is C = BLOCK_K / VEC chunks of VEC = 16 bytes of
+elements per row; chunk c goes to thread c mod (32 x num_warps), and a thread holds every row of its chunks: one
+16-byte load per row and chunk (.cg: L2 only) and one x load per chunk, shared by the rows (the same register layout
 as lowbit.kernels.w4_gemv's words). The next step's weights are loaded while this step is computed; the first step
 is loaded before the PDL wait (lowbit.kernels._triton), so its weights stream while the kernel before finishes.
-Per weight: one conversion to fp32 and one FMA; at 2 bytes per weight the kernel is bound by HBM, not by issue.
+Per weight: one conversion to fp32 and one FMA; at 1-2 bytes per weight the kernel is bound by HBM, not by issue.
 """
 import torch
 import torch.nn.functional as F
 
 from lowbit.kernels._triton import cdiv, early_kernel, on_gpu, tl, use_triton, wait_for_producers
 
-BLOCK_K, WARPS = 1024, 4
+STEP_BYTES, WARPS = 2048, 4  # per row and K step: 1024 bf16 or 2048 FP8 elements
 MAX_PROGRAMS_AT_4_ROWS = 1024
 # H200, Llama-3.1-8B shapes (`python3 bench/dense_gemv_bench.py`, benchmarks.md run 40), us per call: 4 rows per
 # program up to 1024 programs (o 4096->4096 9.7, down 14336->4096 28.7), else 8 (qkv 4096->6144 14.3, gate_up
 # 4096->28672 58.6, lm_head 4096->128256 241.2); cuBLAS bf16 16.8 / 13.3 / 32.4 / 57.4 / 247.4.
 
 
-def gemv_config(n: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for N output rows."""
-    return (4 if cdiv(n, 4) <= MAX_PROGRAMS_AT_4_ROWS else 8), BLOCK_K, WARPS
+# FP8 (fp8_gemv): the same configs, not timed yet (bench/dense_gemv_bench.py --fp8); nothing routes to it.
+
+
+def gemv_config(n: int, element_size: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for N output rows of element_size-byte weights."""
+    return (4 if cdiv(n, 4) <= MAX_PROGRAMS_AT_4_ROWS else 8), STEP_BYTES // element_size, WARPS
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,32 +39,49 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def dense_gemv(x, weight, bias=None, config=None):
     """x [1, K] bf16/fp16, weight [N, K] of x's dtype -> [1, N] in x's dtype (fp32 sums).
     config (BLOCK_N, BLOCK_K, num_warps), default gemv_config(N); BLOCK_K / 8 a multiple of 32 x num_warps."""
-    assert use_triton(x)
     assert x.shape[0] == 1 and weight.dtype == x.dtype and weight.shape[1] == x.shape[1], (x.shape, weight.shape)
-    block_n, block_k, warps = config or gemv_config(weight.shape[0])
-    assert block_k % (8 * 32 * warps) == 0, (block_k, warps)
+    return _launch(x, weight, None, None, bias, x.dtype, config)
+
+
+def fp8_gemv(q, weight, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, config=None):
+    """q [1, K] float8_e4m3fn (x ~= q * scale_a), weight [N, K] float8_e4m3fn; scale_a fp32 [] or [1, 1], scale_b
+    fp32 [] or [N] -> [1, N] out_dtype: (q @ W^T) * scale_a * scale_b (+ bias), as scaled_gemm_ref (fp32 math).
+    config as dense_gemv's, BLOCK_K / 16 a multiple of 32 x num_warps."""
+    assert q.shape[0] == 1 and q.dtype == weight.dtype == torch.float8_e4m3fn and weight.shape[1] == q.shape[1]
+    assert scale_a.numel() == 1, "one row: one activation scale"
+    return _launch(q, weight, scale_a.float().reshape(1), scale_b.float().reshape(-1), bias, out_dtype, config)
+
+
+def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config):
+    assert use_triton(x)
+    vec = 16 // weight.element_size()
+    block_n, block_k, warps = config or gemv_config(weight.shape[0], weight.element_size())
+    assert block_k % (vec * 32 * warps) == 0, (block_k, warps)
     x = x.contiguous()
     weight = weight.contiguous()
     N, K = weight.shape
-    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
-    _dense_gemv_kernel[(cdiv(N, block_n),)](x, weight, bias if bias is not None else x, out, N, K,
-                                           HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-                                           EVEN_K=K % block_k == 0, num_warps=warps)
+    out = torch.empty(1, N, dtype=out_dtype, device=x.device)
+    scaled = scale_a is not None
+    _dense_gemv_kernel[(cdiv(N, block_n),)](
+        x, weight, scale_a if scaled else out, scale_b if scaled else out, bias if bias is not None else out, out, N,
+        K, HAS_BIAS=bias is not None, SCALED=scaled, ROW_SCALES=scaled and scale_b.numel() > 1, VEC=vec,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps)
     return out
 
 
 @early_kernel
-def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, HAS_BIAS: tl.constexpr,
+                       SCALED: tl.constexpr, ROW_SCALES: tl.constexpr, VEC: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    """out[0, n] for BLOCK_N rows n (clamped for the loads, masked at the store). EVEN_K: BLOCK_K | K."""
-    C: tl.constexpr = BLOCK_K // 8
+    """out[0, n] for BLOCK_N rows n (clamped for the loads, masked at the store). EVEN_K: BLOCK_K | K. SCALED: times
+    sa[0] and sb[0] (or sb[n], ROW_SCALES)."""
+    C: tl.constexpr = BLOCK_K // VEC
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     cc = tl.arange(0, C)
-    e8 = tl.arange(0, 8)
-    kk = (8 * cc)[:, None, None] + e8[None, None, :]  # [C, 1, 8]: k of each element in the step
-    w_ptrs = w_ptr + n_rows[None, :, None] * K + kk  # [C, BN, 8]
+    kk = (VEC * cc)[:, None, None] + tl.arange(0, VEC)[None, None, :]  # [C, 1, VEC]: k of each element in the step
+    w_ptrs = w_ptr + n_rows[None, :, None] * K + kk  # [C, BN, VEC]
     acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
     n_steps = tl.cdiv(K, BLOCK_K)
     if EVEN_K:
@@ -80,6 +101,12 @@ def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, HAS_BIAS: tl.const
         acc += tl.sum(w.to(tl.float32) * xs.to(tl.float32), axis=2)
         w = w_next
     out = tl.sum(acc, axis=0)
+    if SCALED:
+        out = out * tl.load(sa_ptr)
+        if ROW_SCALES:
+            out = out * tl.load(sb_ptr + n_rows)
+        else:
+            out = out * tl.load(sb_ptr)
     if HAS_BIAS:
         out += tl.load(bias_ptr + n_rows).to(tl.float32)
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
