@@ -442,8 +442,9 @@ def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scal
                                  BLOCKS=blocks, num_warps=cfg.warps, num_stages=cfg.stages,
                                  **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if s > 1:
-        _combine_kernel[(bsz * hq,)](part, lse, context_lens, os_, out, s, HQ=hq, D=d, SP=next_pow2(s),
-                                     BLOCK_N=cfg.block_n, COMBINE_ROWS=min(COMBINE_ROWS, next_pow2(s)),
-                                     model_dtype=_tl_dtype(q.dtype), QUANT_OUT=out_scale is not None,
-                                     num_warps=4 if s <= 16 else 8)
+        sp = MAX_SPLITS if s <= MAX_SPLITS else next_pow2(max(s, MAX_SPLITS_LONG))  # two variants, both built by
+        # the decode graphs' warm-ups (an eager mixed step with another split count compiles nothing mid-run)
+        _combine_kernel[(bsz * hq,)](part, lse, context_lens, os_, out, s, HQ=hq, D=d, SP=sp, BLOCK_N=cfg.block_n,
+                                     COMBINE_ROWS=min(COMBINE_ROWS, sp), model_dtype=_tl_dtype(q.dtype),
+                                     QUANT_OUT=out_scale is not None, num_warps=4 if sp <= 16 else 8)
     return out
