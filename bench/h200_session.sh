@@ -113,7 +113,8 @@ splits)
     ;;
 dense)
     part "batch-1 GEMV: bf16 weights (the engine's) vs cuBLAS; FP8 weights vs the engine's FP8 route (fp8_small_m / _scaled_mm)"
-    timeout 150 python3 bench/dense_gemv_bench.py --json "$OUT/dense_gemv.json" 2>&1 | grep -E '^\||failed'
+    timeout 200 python3 bench/dense_gemv_bench.py --configs "8,2048,8;16,1024,4;2,2048,8;4,512,2;8,512,2" \
+        --json "$OUT/dense_gemv.json" 2>&1 | grep -E '^\||failed'
     timeout 200 python3 bench/dense_gemv_bench.py --fp8 --configs "8,2048,4;4,2048,4;4,1024,2;8,1024,2" \
         --json "$OUT/fp8_gemv.json" 2>&1 | grep -E '^\||failed'
     ;;
