@@ -16,10 +16,8 @@ from lowbit.kernels._triton import cdiv, early_kernel, on_gpu, tl, use_triton, w
 STEP_BYTES, WARPS = 2048, 4  # per row and K step: 1024 bf16 or 2048 FP8 elements
 MAX_PROGRAMS_AT_4_ROWS = 1024
 # H200, Llama-3.1-8B shapes (`python3 bench/dense_gemv_bench.py`, benchmarks.md run 40), us per call: 4 rows per
-# program up to 1024 programs (o 4096->4096 9.7, down 14336->4096 28.7), else 8 (qkv 4096->6144 14.3, gate_up
-# 4096->28672 58.6, lm_head 4096->128256 241.2); cuBLAS bf16 16.8 / 13.3 / 32.4 / 57.4 / 247.4.
-
-
+# program up to 1024 programs (o 4096->4096 9.8, down 14336->4096 28.8), else 8 (qkv 4096->6144 14.4, gate_up
+# 4096->28672 57.7, lm_head 4096->128256 237.1); cuBLAS bf16 13.6 / 31.9 / 15.4 / 56.5 / 238.9.
 # FP8 (fp8_gemv): the same configs, not timed yet (bench/dense_gemv_bench.py --fp8); nothing routes to it.
 
 
