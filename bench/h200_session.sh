@@ -12,6 +12,7 @@
 #   bash bench/h200_session.sh pdl      # decode-step graph replays of every format, PDL on and off (LOWBIT_PDL=0)
 #   bash bench/h200_session.sh splits   # decode attention at batch 1-16: the context-split counts, short and long
 #   bash bench/h200_session.sh dense    # the batch-1 GEMV for bf16 weights, and its FP8 variant (not routed yet)
+#   bash bench/h200_session.sh m2       # the W4 GEMV on two x rows vs w4a16_gemm's M = 2 route; decode steps at batch 2
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -118,6 +119,21 @@ dense)
     timeout 200 python3 bench/dense_gemv_bench.py --fp8 --configs "8,2048,4;4,2048,4;4,1024,2;8,1024,2" \
         --json "$OUT/fp8_gemv.json" 2>&1 | grep -E '^\||failed'
     ;;
+m2)
+    part "W4 GEMV with two x rows (GEMV_CONFIG_M2 and others) vs what w4a16_gemm runs at M = 2 today"
+    timeout 300 python3 bench/w4_gemv_bench.py --m2 --configs "8,2048,2;4,1024,1;8,1024,1" \
+        --json "$OUT/w4_gemv_m2.json" 2>&1 | grep -E 'FAIL|^#|per token|checks_done'
+    for max_m in 1 2; do
+        part "int4_awq / nvfp4 decode steps at batch 2 with GEMV_MAX_M = $max_m (device time per step)"
+        timeout 100 python3 -c "
+import lowbit.kernels.w4_gemv as g; g.GEMV_MAX_M = $max_m
+from lowbit.bench_cli import load_script
+kp = load_script('kernel_profile.py')
+for f in ('int4_awq', 'nvfp4'):
+    kp.main(['--format', f, '--decode', '2x512', '--prefill', '', '--top', '3'])
+" 2>&1 | grep -E '^## '
+    done
+    ;;
 ncu)
     part "Nsight Compute (full set, clocks as they run) of one launch of each kernel; reports and text in \$OUT"
     for t in "decode_fp8 _decode_kernel decode --kv fp8" "decode_bf16 _decode_kernel decode --kv bf16" \
@@ -133,7 +149,7 @@ ncu)
     done
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2" >&2
     exit 2
     ;;
 esac

@@ -90,26 +90,31 @@ def check_cases():
     return cases
 
 
-def run_checks(emit, config=None) -> bool:
+def default_config(m: int):
+    return w4_gemv.GEMV_CONFIG if m == 1 else w4_gemv.GEMV_CONFIG_M2
+
+
+def run_checks(emit, config=None, m=1) -> bool:
+    """m: rows of x (1, or 2 for the two-row GEMV)."""
     ok_all = True
     for fmt, k, n, group, dtype, smooth, bias in check_cases():
         torch.manual_seed(k * 7 + n)
         w = random_weight(fmt, k, n, group, smooth)
-        x = torch.randn(1, k, device=DEV).to(dtype)
+        x = torch.randn(m, k, device=DEV).to(dtype)
         b = torch.randn(n, device=DEV).to(dtype) if bias else None
         ref = w4a16.w4a16_gemm_ref(x, w, b)
         out = gemv(x, w, b, config)
         err = rel_err(out, ref)
         ok = bool(torch.isfinite(out).all()) and out.shape == ref.shape and err < TOL
         ok_all &= ok
-        emit({"kind": "check", "config": config or w4_gemv.GEMV_CONFIG, "fmt": fmt, "group": group, "K": k, "N": n,
+        emit({"kind": "check", "M": m, "config": config or default_config(m), "fmt": fmt, "group": group, "K": k, "N": n,
               "dtype": str(dtype).removeprefix("torch."), "smooth": smooth, "bias": bias, "rel_err": err, "tol": TOL,
               "result": "PASS" if ok else "FAIL"})
     if DRY_RUN:
         return ok_all
     for fmt in ("int4", "nvfp4"):  # graph replay on new x (no state between launches, but the engine replays graphs)
         w = random_weight(fmt, 4096, 4096)
-        x = torch.randn(1, 4096, device=DEV, dtype=torch.bfloat16)
+        x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
         gemv(x, w, config=config)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
@@ -122,7 +127,7 @@ def run_checks(emit, config=None) -> bool:
             errs.append(rel_err(out, w4a16.w4a16_gemm_ref(x, w)))
         ok = max(errs) < TOL
         ok_all &= ok
-        emit({"kind": "check", "config": config or w4_gemv.GEMV_CONFIG, "fmt": fmt, "K": 4096, "N": 4096,
+        emit({"kind": "check", "M": m, "config": config or default_config(m), "fmt": fmt, "K": 4096, "N": 4096,
               "graph_replays": 2, "rel_err": max(errs), "tol": TOL, "result": "PASS" if ok else "FAIL"})
     return ok_all
 
@@ -143,12 +148,13 @@ def copies_for(nbytes) -> int:
     return max(1, min(64, -(-4 * L2_BYTES // nbytes)))
 
 
-def run_timing(reps, emit, smooth=False, configs=(None,)):
+def run_timing(reps, emit, smooth=False, configs=(None,), m=1):
     """smooth: INT4 weights carry a pre_quant_scale (real AWQ checkpoints do; the engine's dummy weights do not).
-    configs: GEMV configs timed on the same weights (None: GEMV_CONFIG)."""
+    configs: GEMV configs timed on the same weights (None: the default for m rows). m = 2: also what w4a16_gemm
+    runs there today (config "engine": w4_small_m or the tensor-core kernel)."""
     rows = []
     for shape, k, n in SHAPES:
-        x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         ws = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02 for _ in range(copies_for(2 * n * k))]
         us = graph_time_us([lambda w=w: F.linear(x, w) for w in ws[:2 if DRY_RUN else None]], reps)
         del ws
@@ -160,11 +166,14 @@ def run_timing(reps, emit, smooth=False, configs=(None,)):
             nbytes = weight_bytes(fmt, k, n)
             ws = [random_weight(fmt, k, n, smooth=smooth and fmt == "int4")
                   for _ in range(1 if DRY_RUN else copies_for(nbytes))]
-            for config in configs:
-                us = graph_time_us([lambda w=w: gemv(x, w, config=config) for w in ws], reps)
-                rows.append({"kind": "time", "shape": shape, "K": k, "N": n, "fmt": fmt, "op": "w4_gemv",
-                             "config": tuple(config or w4_gemv.GEMV_CONFIG), "us": us, "GBps": nbytes / us / 1e3,
-                             "speedup_vs_cublas": cublas / us})
+            ops = [("w4_gemv", c, lambda w, c=c: gemv(x, w, config=c)) for c in configs]
+            if m > 1:
+                ops.append(("w4a16_gemm", "engine", lambda w: w4a16.w4a16_gemm(x, w)))
+            for op, config, fn in ops:
+                us = graph_time_us([lambda w=w: fn(w) for w in ws], reps)
+                rows.append({"kind": "time", "M": m, "shape": shape, "K": k, "N": n, "fmt": fmt, "op": op,
+                             "config": config if op != "w4_gemv" else tuple(config or default_config(m)), "us": us,
+                             "GBps": nbytes / us / 1e3, "speedup_vs_cublas": cublas / us})
                 emit(rows[-1])
             del ws
         if not DRY_RUN:
@@ -172,12 +181,12 @@ def run_timing(reps, emit, smooth=False, configs=(None,)):
     return rows
 
 
-def table(rows, config) -> str:
-    """Markdown for one config: per shape, us (weight+scale GB/s) and speedup over cuBLAS bf16 per format; then
-    per-token sums."""
-    config = tuple(config or w4_gemv.GEMV_CONFIG)
+def table(rows, config, m=1) -> str:
+    """Markdown for one config ("engine": w4a16_gemm's own route): per shape, us (weight+scale GB/s) and speedup
+    over cuBLAS bf16 per format; then per-token sums."""
+    config = config if isinstance(config, str) else tuple(config or default_config(m))
     get = {(r["shape"], r["fmt"]): r for r in rows if r["fmt"] == "bf16" or r["config"] == config}
-    out = [f"\n### M = 1, GEMV config (BLOCK_N, BLOCK_K, num_warps) = {config}\n",
+    out = [f"\n### M = {m}, GEMV config (BLOCK_N, BLOCK_K, num_warps) = {config}\n",
            "| shape | cuBLAS bf16 us | INT4 g128 us (GB/s) | x cuBLAS | NVFP4 us (GB/s) | x cuBLAS |",
            "|---|---|---|---|---|---|"]
     sums = {"bf16": 0.0, "int4": 0.0, "nvfp4": 0.0}
@@ -203,6 +212,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smooth", action="store_true", help="time INT4 with pre_quant_scale (as AWQ checkpoints)")
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test of the script (interpreter, tiny shapes)")
     ap.add_argument("--configs", default="", help="more GEMV configs, BN,BK,W;... (checked, then timed)")
+    ap.add_argument("--m2", action="store_true", help="x of two rows: the two-row GEMV against w4a16_gemm's route")
     args = ap.parse_args(argv)
     try:
         extra = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
@@ -228,14 +238,15 @@ def main(argv=None) -> int:
           "torch": torch.__version__, "triton": __import__("triton").__version__, "config": w4_gemv.GEMV_CONFIG})
     ok = True
     configs = [None] + extra
+    m = 2 if args.m2 else 1
     if not args.no_checks:
         for config in configs:
-            ok &= run_checks(emit, config)
+            ok &= run_checks(emit, config, m)
         emit({"kind": "checks_done", "all_pass": ok, "s": time.time() - t0})
-    rows = run_timing(args.reps, emit, args.smooth, configs)
+    rows = run_timing(args.reps, emit, args.smooth, configs, m)
     emit({"kind": "done", "s": time.time() - t0, "all_pass": ok})
-    for config in configs:
-        print(table(rows, config))
+    for config in configs + (["engine"] if m > 1 else []):
+        print(table(rows, config, m))
     if args.json:
         args.json.write_text("\n".join(json.dumps(d, default=str) for d in lines) + "\n")
     return 0 if ok else 1

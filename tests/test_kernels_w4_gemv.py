@@ -55,6 +55,28 @@ def test_gemv_matches_reference(fmt, k, n, group, config, smooth, bias):
     assert rel_err(out, ref) < TOL
 
 
+@pytest.mark.parametrize("fmt,k,n,group,config,smooth,bias", [
+    ("int4", 2048, 64, 128, None, False, False),  # GEMV_CONFIG_M2: one even step
+    ("int4", 4096 + 640, 34, 64, None, True, True),  # 3 steps, the last one masked; N odd
+    ("int4", 3088, 18, 16, (4, 1024, 1), True, True),  # groups of 16: two scales per chunk
+    ("nvfp4", 2000, 19, 16, (8, 2048, 2), True, True),  # K padded to 2048
+    ("nvfp4", 4096 + 208, 24, 16, None, False, False),
+])
+def test_gemv_two_rows_match_reference(fmt, k, n, group, config, smooth, bias):
+    """M = 2: both rows from the same dequantized weights, each against the reference (a second row that reused
+    the first row's x, offsets or scales, or was stored over it, fails here)."""
+    g = torch.Generator().manual_seed(k + n + 1)
+    sm = (0.5 + torch.rand(k, generator=g)).half() if smooth else None
+    packed = _packed(fmt, n, k, group, sm, seed=k + 1)
+    x = torch.randn(2, k, generator=g).half()
+    b = torch.randn(n, generator=g).half() if bias else None
+    out = w4_gemv.w4_gemv(x, packed, b, config)
+    ref = w4a16.w4a16_gemm_ref(x, packed, b)
+    assert out.shape == (2, n) and out.dtype == torch.float16
+    for m in range(2):
+        assert rel_err(out[m], ref[m]) < TOL, m
+
+
 def test_gemv_bf16():
     packed = _packed("int4", 64, 2048, 64, None, seed=1)
     x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(2)).bfloat16()
@@ -93,7 +115,7 @@ def test_w4a16_gemm_dispatches_decode_to_the_gemv(monkeypatch):
 
 def test_gemv_rejects_bad_shapes():
     packed = _packed("int4", 16, 2048, 128, None, seed=7)
-    with pytest.raises(AssertionError):  # M = 1 only
-        w4_gemv.w4_gemv(torch.randn(2, 2048).half(), packed)
+    with pytest.raises(AssertionError):  # M = 1 or 2 only
+        w4_gemv.w4_gemv(torch.randn(3, 2048).half(), packed)
     with pytest.raises(AssertionError):  # BLOCK_K must cover 32 chunks per warp
         w4_gemv.w4_gemv(torch.randn(1, 2048).half(), packed, None, (8, 1024, 2))

@@ -1,4 +1,5 @@
-"""Decode (M = 1) weight-only 4-bit GEMV: CUDA-core dequantize + multiply + reduce over K, no tl.dot.
+"""Decode (M = 1) weight-only 4-bit GEMV: CUDA-core dequantize + multiply + reduce over K, no tl.dot. It also takes
+two x rows (M2), which share each dequantized weight: one more FMA per weight and row.
 
 Same layout as lowbit.kernels.w4a16 (W4Weight): qweight int32 [N, KP/8], nibble s of word j = element 8j+s;
 INT4 scales fp32 [KP/group, N] (nibble u = q + 8); NVFP4 scales e4m3 [KP/128, N, 8] + a global scale.
@@ -20,7 +21,8 @@ Each program owns BLOCK_N output rows over all of K (no split-K, no second launc
   e2m1 value * 2^-14 exactly (fp16 subnormals carry e = 0); converted by inline PTX cvt.f32.f16 on the GPU
   (Triton's own conversion adds a PRMT per pair), by Triton in the interpreter (which cannot run PTX). Exact
   products, fp32 chain per 16-block, times the e4m3 block scale; global scale and 2^14 applied once to the sum.
-- Offline SASS (triton 3.6, sm_90, loop body per weight): INT4 3.16 instructions, NVFP4 4.73; 128 registers.
+- Offline SASS (triton 3.6, sm_90, loop body per weight): INT4 3.16 instructions, NVFP4 4.73; 128 registers. Two
+  rows (GEMV_CONFIG_M2 = (4, 2048, 2)): INT4 5.3 (168 registers), NVFP4 6.5 (96), for twice the products.
 H200, Llama-3.1-8B shapes, per token: INT4 2.4x and NVFP4 1.9x cuBLAS bf16, 1.8x the previous GEMV (removed)
 (docs/kernels_notes.md, benchmarks.md run 16).
 """
@@ -31,16 +33,18 @@ from lowbit.kernels._triton import cdiv, early_kernel, helper, interpreting, tl,
 GEMV_MAX_M = 1  # w4a16_gemm dispatches M <= this to the GEMV: at M = 2 the tensor-core kernel is already as fast
 GEMV_CONFIG = (8, 2048, 2)  # (BLOCK_N, BLOCK_K, num_warps): best of the H200 sweep for both formats (128 registers;
 # BLOCK_K 2048 divides every KP of Llama-3.1-8B: no masked step)
+GEMV_CONFIG_M2 = (4, 2048, 2)  # M = 2 (not timed yet, nothing dispatches to it: bench/w4_gemv_bench.py --m2)
 
 
 def w4_gemv(x, w, bias=None, config=None):
-    """x [1, K] bf16/fp16/fp32 -> [1, N] in x's dtype, w a lowbit.kernels.w4a16.W4Weight.
-    config (BLOCK_N, BLOCK_K, num_warps), default GEMV_CONFIG; BLOCK_K a multiple of 1024 x num_warps."""
+    """x [M, K] bf16/fp16/fp32, M = 1 or 2 -> [M, N] in x's dtype, w a lowbit.kernels.w4a16.W4Weight. Two rows share
+    each dequantized weight (one more FMA per weight and row). config (BLOCK_N, BLOCK_K, num_warps), default
+    GEMV_CONFIG (M = 1) or GEMV_CONFIG_M2; BLOCK_K a multiple of 1024 x num_warps."""
     assert use_triton(x)
     x = x.contiguous()
     M, K = x.shape
-    assert M == 1, "the GEMV takes M = 1"
-    block_n, block_k, warps = config or GEMV_CONFIG
+    assert M in (1, 2), "the GEMV takes M = 1 or 2"
+    block_n, block_k, warps = config or (GEMV_CONFIG if M == 1 else GEMV_CONFIG_M2)
     assert block_k % (1024 * warps) == 0, (block_k, warps)  # C = BLOCK_K / 32 chunks cover all threads
     assert block_n % 4 == 0, block_n  # INT4 scales of 4 rows per load
     if w.fmt == "int4":
@@ -52,7 +56,7 @@ def w4_gemv(x, w, bias=None, config=None):
         N, K, KP, KP // 8, w.global_scale * (2.0**14 if w.fmt == "nvfp4" else 1.0), 0x43800000,
         IS_FP4=w.fmt == "nvfp4", GROUP=w.group, HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=KP % block_k == 0, MASK_X=K % block_k != 0,
-        USE_ASM=not interpreting(), num_warps=warps)
+        M2=M == 2, USE_ASM=not interpreting(), num_warps=warps)
     return out
 
 
@@ -96,29 +100,38 @@ def _x_word(x_ptr, smooth_ptr, k, K, HAS_SMOOTH: tl.constexpr, MASK_X: tl.conste
 
 
 @helper
-def _int4_word(wd, x0, x1, x2, x3, x4, x5, x6, x7, chain, e256, e16):
-    """chain [C, BN] += sum_s v_s x_s, v_s = 256 + u_s (s even) or 16 + u_s (s odd): nibbles 2j, 2j+1 sit at bits
-    15..18 and 19..22 of one shifted copy of the word (one shift per two nibbles), OR'd into the mantissa of
-    256.0 / 16.0 (exact)."""
-    a = wd << 15
-    chain = ((a & 0x00078000) | e256).to(tl.float32, bitcast=True) * x0[:, None] + chain
-    chain = ((a & 0x00780000) | e16).to(tl.float32, bitcast=True) * x1[:, None] + chain
-    a = wd << 7
-    chain = ((a & 0x00078000) | e256).to(tl.float32, bitcast=True) * x2[:, None] + chain
-    chain = ((a & 0x00780000) | e16).to(tl.float32, bitcast=True) * x3[:, None] + chain
-    a = wd >> 1
-    chain = ((a & 0x00078000) | e256).to(tl.float32, bitcast=True) * x4[:, None] + chain
-    chain = ((a & 0x00780000) | e16).to(tl.float32, bitcast=True) * x5[:, None] + chain
-    a = wd >> 9
-    chain = ((a & 0x00078000) | e256).to(tl.float32, bitcast=True) * x6[:, None] + chain
-    chain = ((a & 0x00780000) | e16).to(tl.float32, bitcast=True) * x7[:, None] + chain
-    return chain
+def _fma2(v, x, y, ca, cb, M2: tl.constexpr):
+    """ca += v x and, for a second row (M2), cb += v y: one dequantized weight [C, BN] times x values [C]."""
+    ca = v * x[:, None] + ca
+    if M2:
+        cb = v * y[:, None] + cb
+    return ca, cb
 
 
 @helper
-def _int4_offset(x0, x1, x2, x3, x4, x5, x6, x7):
-    """sum_s (c_s + 8) x_s for the values c_s (256 / 16) that _int4_word adds to each nibble."""
-    return 264.0 * ((x0 + x2) + (x4 + x6)) + 24.0 * ((x1 + x3) + (x5 + x7))
+def _int4_word(wd, x, y, ca, cb, e256, e16, M2: tl.constexpr):
+    """ca [C, BN] += sum_s v_s x[s] (and cb with y, M2), v_s = 256 + u_s (s even) or 16 + u_s (s odd): nibbles 2j,
+    2j+1 sit at bits 15..18 and 19..22 of one shifted copy of the word (one shift per two nibbles), OR'd into the
+    mantissa of 256.0 / 16.0 (exact). x, y: the word's 8 x values of each row."""
+    a = wd << 15
+    ca, cb = _fma2(((a & 0x00078000) | e256).to(tl.float32, bitcast=True), x[0], y[0], ca, cb, M2)
+    ca, cb = _fma2(((a & 0x00780000) | e16).to(tl.float32, bitcast=True), x[1], y[1], ca, cb, M2)
+    a = wd << 7
+    ca, cb = _fma2(((a & 0x00078000) | e256).to(tl.float32, bitcast=True), x[2], y[2], ca, cb, M2)
+    ca, cb = _fma2(((a & 0x00780000) | e16).to(tl.float32, bitcast=True), x[3], y[3], ca, cb, M2)
+    a = wd >> 1
+    ca, cb = _fma2(((a & 0x00078000) | e256).to(tl.float32, bitcast=True), x[4], y[4], ca, cb, M2)
+    ca, cb = _fma2(((a & 0x00780000) | e16).to(tl.float32, bitcast=True), x[5], y[5], ca, cb, M2)
+    a = wd >> 9
+    ca, cb = _fma2(((a & 0x00078000) | e256).to(tl.float32, bitcast=True), x[6], y[6], ca, cb, M2)
+    ca, cb = _fma2(((a & 0x00780000) | e16).to(tl.float32, bitcast=True), x[7], y[7], ca, cb, M2)
+    return ca, cb
+
+
+@helper
+def _int4_offset(x):
+    """sum_s (c_s + 8) x[s] for the values c_s (256 / 16) that _int4_word adds to each nibble."""
+    return 264.0 * ((x[0] + x[2]) + (x[4] + x[6])) + 24.0 * ((x[1] + x[3]) + (x[5] + x[7]))
 
 
 @helper
@@ -146,20 +159,21 @@ def _fp4_pair(wd, s: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @helper
-def _fp4_word(wd, x0, x1, x2, x3, x4, x5, x6, x7, chain, USE_ASM: tl.constexpr):
+def _fp4_word(wd, x, y, ca, cb, USE_ASM: tl.constexpr, M2: tl.constexpr):
+    """ca [C, BN] += sum_s v_s x[s] (and cb with y, M2), v_s the e2m1 value of nibble s times 2^-14 (_fp4_pair)."""
     v0, v4 = _fp4_pair(wd, 0, USE_ASM)
-    chain = v0 * x0[:, None] + chain
-    chain = v4 * x4[:, None] + chain
+    ca, cb = _fma2(v0, x[0], y[0], ca, cb, M2)
+    ca, cb = _fma2(v4, x[4], y[4], ca, cb, M2)
     v1, v5 = _fp4_pair(wd, 1, USE_ASM)
-    chain = v1 * x1[:, None] + chain
-    chain = v5 * x5[:, None] + chain
+    ca, cb = _fma2(v1, x[1], y[1], ca, cb, M2)
+    ca, cb = _fma2(v5, x[5], y[5], ca, cb, M2)
     v2, v6 = _fp4_pair(wd, 2, USE_ASM)
-    chain = v2 * x2[:, None] + chain
-    chain = v6 * x6[:, None] + chain
+    ca, cb = _fma2(v2, x[2], y[2], ca, cb, M2)
+    ca, cb = _fma2(v6, x[6], y[6], ca, cb, M2)
     v3, v7 = _fp4_pair(wd, 3, USE_ASM)
-    chain = v3 * x3[:, None] + chain
-    chain = v7 * x7[:, None] + chain
-    return chain
+    ca, cb = _fma2(v3, x[3], y[3], ca, cb, M2)
+    ca, cb = _fma2(v7, x[7], y[7], ca, cb, M2)
+    return ca, cb
 
 
 @helper
@@ -198,58 +212,79 @@ def _load_step(w_ptrs, s_ptr, k0, cc, n_rows, offs_n0, N, KP, IS_FP4: tl.constex
 
 
 @helper
-def _step(acc, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4: tl.constexpr, TWO_SCALES: tl.constexpr,
-          HAS_SMOOTH: tl.constexpr, MASK_X: tl.constexpr, USE_ASM: tl.constexpr):
+def _step(acc, acc2, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4: tl.constexpr,
+          TWO_SCALES: tl.constexpr, HAS_SMOOTH: tl.constexpr, MASK_X: tl.constexpr, USE_ASM: tl.constexpr,
+          M2: tl.constexpr):
     """acc [C, BN] += the step's 32 products per chunk and row, scaled once per chunk (or per half chunk: NVFP4
-    blocks, INT4 groups of 16). INT4 chains start at -offset (the 256 / 16 added to the nibbles and the 8 of
-    q = u - 8, summed over x once per chunk for all rows)."""
+    blocks, INT4 groups of 16); acc2 the same for x's second row (M2: x [2, K]), from the same dequantized weights.
+    INT4 chains start at -offset (the 256 / 16 added to the nibbles and the 8 of q = u - 8, summed over x once per
+    chunk for all rows)."""
     w0, w1, w2, w3 = _split4(words)
     kx = k0 + 32 * cc[:, None] + tl.arange(0, 8)[None, :]  # [C, 8]: x of word 0 of each chunk
-    a0, a1, a2, a3, a4, a5, a6, a7 = _x_word(x_ptr, smooth_ptr, kx, K, HAS_SMOOTH, MASK_X)
-    b0, b1, b2, b3, b4, b5, b6, b7 = _x_word(x_ptr, smooth_ptr, kx + 8, K, HAS_SMOOTH, MASK_X)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _x_word(x_ptr, smooth_ptr, kx + 16, K, HAS_SMOOTH, MASK_X)
-    d0, d1, d2, d3, d4, d5, d6, d7 = _x_word(x_ptr, smooth_ptr, kx + 24, K, HAS_SMOOTH, MASK_X)
+    xa = _x_word(x_ptr, smooth_ptr, kx, K, HAS_SMOOTH, MASK_X)  # 8 tensors [C] each
+    xb = _x_word(x_ptr, smooth_ptr, kx + 8, K, HAS_SMOOTH, MASK_X)
+    xc = _x_word(x_ptr, smooth_ptr, kx + 16, K, HAS_SMOOTH, MASK_X)
+    xd = _x_word(x_ptr, smooth_ptr, kx + 24, K, HAS_SMOOTH, MASK_X)
+    if M2:
+        ya = _x_word(x_ptr + K, smooth_ptr, kx, K, HAS_SMOOTH, MASK_X)
+        yb = _x_word(x_ptr + K, smooth_ptr, kx + 8, K, HAS_SMOOTH, MASK_X)
+        yc = _x_word(x_ptr + K, smooth_ptr, kx + 16, K, HAS_SMOOTH, MASK_X)
+        yd = _x_word(x_ptr + K, smooth_ptr, kx + 24, K, HAS_SMOOTH, MASK_X)
+    else:
+        ya, yb, yc, yd = xa, xb, xc, xd
     if TWO_SCALES:
         s0, s1 = tl.split(sc)
         s0 = s0.to(tl.float32)
         s1 = s1.to(tl.float32)
     if IS_FP4:
         zero = tl.zeros(acc.shape, tl.float32)
-        chain = _fp4_word(w0, a0, a1, a2, a3, a4, a5, a6, a7, zero, USE_ASM)
-        chain = _fp4_word(w1, b0, b1, b2, b3, b4, b5, b6, b7, chain, USE_ASM)
-        acc += chain * s0
-        chain = _fp4_word(w2, c0, c1, c2, c3, c4, c5, c6, c7, zero, USE_ASM)
-        chain = _fp4_word(w3, d0, d1, d2, d3, d4, d5, d6, d7, chain, USE_ASM)
-        acc += chain * s1
+        ca, cb = _fp4_word(w0, xa, ya, zero, zero, USE_ASM, M2)
+        ca, cb = _fp4_word(w1, xb, yb, ca, cb, USE_ASM, M2)
+        acc += ca * s0
+        if M2:
+            acc2 += cb * s0
+        ca, cb = _fp4_word(w2, xc, yc, zero, zero, USE_ASM, M2)
+        ca, cb = _fp4_word(w3, xd, yd, ca, cb, USE_ASM, M2)
+        acc += ca * s1
+        if M2:
+            acc2 += cb * s1
     else:
-        off_ab = _int4_offset(a0, a1, a2, a3, a4, a5, a6, a7) + _int4_offset(b0, b1, b2, b3, b4, b5, b6, b7)
-        off_cd = _int4_offset(c0, c1, c2, c3, c4, c5, c6, c7) + _int4_offset(d0, d1, d2, d3, d4, d5, d6, d7)
+        off_ab = _int4_offset(xa) + _int4_offset(xb)
+        off_cd = _int4_offset(xc) + _int4_offset(xd)
+        off2_ab = _int4_offset(ya) + _int4_offset(yb)
+        off2_cd = _int4_offset(yc) + _int4_offset(yd)
         if TWO_SCALES:
-            chain = _int4_word(w0, a0, a1, a2, a3, a4, a5, a6, a7, tl.broadcast_to(-off_ab[:, None], acc.shape),
-                               e256, e16)
-            chain = _int4_word(w1, b0, b1, b2, b3, b4, b5, b6, b7, chain, e256, e16)
-            acc += chain * s0
-            chain = _int4_word(w2, c0, c1, c2, c3, c4, c5, c6, c7, tl.broadcast_to(-off_cd[:, None], acc.shape),
-                               e256, e16)
+            ca, cb = _int4_word(w0, xa, ya, tl.broadcast_to(-off_ab[:, None], acc.shape),
+                                tl.broadcast_to(-off2_ab[:, None], acc.shape), e256, e16, M2)
+            ca, cb = _int4_word(w1, xb, yb, ca, cb, e256, e16, M2)
+            acc += ca * s0
+            if M2:
+                acc2 += cb * s0
+            ca, cb = _int4_word(w2, xc, yc, tl.broadcast_to(-off_cd[:, None], acc.shape),
+                                tl.broadcast_to(-off2_cd[:, None], acc.shape), e256, e16, M2)
         else:
-            chain = _int4_word(w0, a0, a1, a2, a3, a4, a5, a6, a7,
-                               tl.broadcast_to(-(off_ab + off_cd)[:, None], acc.shape), e256, e16)
-            chain = _int4_word(w1, b0, b1, b2, b3, b4, b5, b6, b7, chain, e256, e16)
-            chain = _int4_word(w2, c0, c1, c2, c3, c4, c5, c6, c7, chain, e256, e16)
-        chain = _int4_word(w3, d0, d1, d2, d3, d4, d5, d6, d7, chain, e256, e16)
+            ca, cb = _int4_word(w0, xa, ya, tl.broadcast_to(-(off_ab + off_cd)[:, None], acc.shape),
+                                tl.broadcast_to(-(off2_ab + off2_cd)[:, None], acc.shape), e256, e16, M2)
+            ca, cb = _int4_word(w1, xb, yb, ca, cb, e256, e16, M2)
+            ca, cb = _int4_word(w2, xc, yc, ca, cb, e256, e16, M2)
+        ca, cb = _int4_word(w3, xd, yd, ca, cb, e256, e16, M2)
         if TWO_SCALES:
-            acc += chain * s1
+            acc += ca * s1
+            if M2:
+                acc2 += cb * s1
         else:
-            acc += chain * sc.to(tl.float32)
-    return acc
+            acc += ca * sc.to(tl.float32)
+            if M2:
+                acc2 += cb * sc.to(tl.float32)
+    return acc, acc2
 
 
 @early_kernel
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, N, K, KP, w_stride, global_scale, magic,
                     IS_FP4: tl.constexpr, GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MASK_X: tl.constexpr,
-                    USE_ASM: tl.constexpr, PDL: tl.constexpr):
-    """out[0, n] for BLOCK_N rows n, all of K. EVEN_K: BLOCK_K | KP (no masked chunk); MASK_X: K % BLOCK_K != 0
+                    M2: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
+    """out[m, n] for BLOCK_N rows n, all of K, m = 0 (and 1, M2). EVEN_K: BLOCK_K | KP (no masked chunk); MASK_X: K % BLOCK_K != 0
     (x and pre_quant_scale masked past K; the padded weights past K are 0 anyway). The first step's weights are
     loaded before waiting for x's producer (PDL)."""
     C: tl.constexpr = BLOCK_K // 32
@@ -265,6 +300,7 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, N, K, KP
     cc = tl.arange(0, C)
     w_ptrs = w_ptr + n_rows[None, :, None] * w_stride + (4 * cc)[:, None, None] + tl.arange(0, 4)[None, None, :]
     acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
+    acc2 = acc  # the second x row's sums (M2)
     n_steps = tl.cdiv(KP, BLOCK_K)
     words, sc = _load_step(w_ptrs, s_ptr, 0, cc, n_rows, offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
     wait_for_producers(PDL)
@@ -272,10 +308,16 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, N, K, KP
         k0 = kb * BLOCK_K  # (a multiple of BLOCK_K the compiler can see: aligned 16-byte x loads)
         words_next, sc_next = _load_step(w_ptrs, s_ptr, tl.minimum(kb + 1, n_steps - 1) * BLOCK_K, cc, n_rows,
                                          offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
-        acc = _step(acc, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4, TWO_SCALES, HAS_SMOOTH, MASK_X,
-                    USE_ASM)
+        acc, acc2 = _step(acc, acc2, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4, TWO_SCALES,
+                          HAS_SMOOTH, MASK_X, USE_ASM, M2)
         words, sc = words_next, sc_next
     out = tl.sum(acc, axis=0) * global_scale
     if HAS_BIAS:
-        out += tl.load(bias_ptr + n_rows).to(tl.float32)
+        bias = tl.load(bias_ptr + n_rows).to(tl.float32)
+        out += bias
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+    if M2:
+        out2 = tl.sum(acc2, axis=0) * global_scale
+        if HAS_BIAS:
+            out2 += bias
+        tl.store(out_ptr + N + offs_n, out2.to(out_ptr.dtype.element_ty), mask=offs_n < N)
