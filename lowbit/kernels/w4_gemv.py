@@ -30,7 +30,8 @@ import torch
 
 from lowbit.kernels._triton import cdiv, early_kernel, helper, interpreting, tl, use_triton, wait_for_producers
 
-GEMV_MAX_M = 1  # w4a16_gemm dispatches M <= this to the GEMV: at M = 2 the tensor-core kernel is already as fast
+GEMV_MAX_M = 1  # w4a16_gemm dispatches M <= this to the GEMV; M = 2 keeps the tensor-core kernels until the two-row
+# GEMV is timed against them (the first session's GEMV lost there; kernels_notes.md)
 GEMV_CONFIG = (8, 2048, 2)  # (BLOCK_N, BLOCK_K, num_warps): best of the H200 sweep for both formats (128 registers;
 # BLOCK_K 2048 divides every KP of Llama-3.1-8B: no masked step)
 GEMV_CONFIG_M2 = (4, 2048, 2)  # M = 2 (not timed yet, nothing dispatches to it: bench/w4_gemv_bench.py --m2)
