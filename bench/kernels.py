@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.bench_cli import load_script
-from lowbit.kernels import linear, prepare_linear, rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref
+from lowbit.kernels import dense_linear, linear, prepare_linear, rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref
 from lowbit.kernels import scaled_gemm as sg
 from lowbit.kernels import w4_gemv, w4_small_m, w4a16
 
@@ -24,8 +24,8 @@ SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out)
 MS = [1, 16, 64, 256, 4096]
 L2_BYTES = 60 * 2**20
 MIN_CALLS = 16  # per graph replay, so the replay's own launch cost is amortized
-VARIANTS = ["bf16_cublas", "fp8_scaled_mm", "fp8_linear", "fp8_rowwise_linear", "int8_gemm", "int8_linear",
-            "int_mm", "w4_int4", "w4_nvfp4"]
+VARIANTS = ["bf16_cublas", "bf16_linear", "fp8_scaled_mm", "fp8_linear", "fp8_rowwise_linear", "int8_gemm",
+            "int8_linear", "int_mm", "w4_int4", "w4_nvfp4"]  # bf16_linear: dense_linear (the GEMV at M = 1)
 
 
 def time_us(calls, reps: int) -> float:
@@ -60,7 +60,7 @@ def copies_for(weight_bytes: int) -> int:
 # ---- weights: random values at real shapes (packed formats get random but valid bytes)
 def make_weights(variant, k, n, dev):
     """-> (bytes of one weight copy, factory() returning one fresh copy as the op's state)."""
-    if variant == "bf16_cublas":
+    if variant in ("bf16_cublas", "bf16_linear"):
         return 2 * n * k, lambda: torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
     if variant in ("fp8_scaled_mm", "fp8_linear", "fp8_rowwise_linear", "fp8_rowwise_scaled_mm"):
         algo = "FP8_PER_CHANNEL_PER_TOKEN" if "rowwise" in variant else "FP8"
@@ -100,6 +100,8 @@ def make_call(variant, state, x, w4_config=None):
     m = x.shape[0]
     if variant == "bf16_cublas":
         return lambda: F.linear(x, state)
+    if variant == "bf16_linear":
+        return lambda: dense_linear(x, state)
     if variant == "fp8_scaled_mm":
         xq = x.to(torch.float8_e4m3fn)
         one = torch.tensor(1.0, device=x.device)
