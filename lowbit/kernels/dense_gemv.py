@@ -6,7 +6,8 @@ elements per row; chunk c goes to thread c mod (32 x num_warps), and a thread ho
 16-byte load per row and chunk (.cg: L2 only) and one x load per chunk, shared by the rows (the same register layout
 as lowbit.kernels.w4_gemv's words). The next step's weights are loaded while this step is computed; the first step
 is loaded before the PDL wait (lowbit.kernels._triton), so its weights stream while the kernel before finishes.
-Per weight: one conversion to fp32 and one FMA; at 1-2 bytes per weight the kernel is bound by HBM, not by issue.
+Per weight: one conversion to fp32 and one FMA. bf16 is bound by HBM (3.4-4.4 TB/s on the H200); FP8's conversion
+takes ~5 instructions per weight offline, so it may be bound by issue (docs/kernels_notes.md).
 """
 import torch
 import torch.nn.functional as F
