@@ -110,6 +110,31 @@ def test_decode_splits_policy():
     assert pa.decode_splits(1, 8, pa.LONG_CONTEXT) == 16  # up to LONG_CONTEXT keys: as before
 
 
+def test_backend_picks_splits_from_the_longest_decode_context(monkeypatch):
+    """TritonAttentionBackend.attend: decode_splits of the decode rows' count and their longest context (host
+    lengths), for a decode step and for the leading one-token rows of a mixed step (the prefill rows don't count)."""
+    from lowbit.serve import triton_attention
+    from lowbit.serve.context import StepContext
+
+    seen = []
+    monkeypatch.setattr(pa, "paged_decode", lambda q, *a, num_splits=None, **kw: seen.append(num_splits) or q)
+    monkeypatch.setattr(triton_attention, "paged_prefill", lambda q, *a, **kw: q.clone())
+    cache = torch.zeros(2, 1, 16, 8, 4)  # [2, blocks, block size, 8 KV heads, D]: only its KV-head count is read
+    long = pa.LONG_CONTEXT + 100
+    for ctx_lens, q_lens, decode in (([5], [1], True), ([long], [1], True), ([5, long], [1, 1], True),
+                                     ([5, 9, long], [1, 1, 700], False)):
+        b = len(ctx_lens)
+        qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+        step = StepContext(positions=None, slot_mapping=None, query_start_loc=qsl,
+                           context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
+                           block_tables=torch.zeros(b, 1, dtype=torch.int32), logits_indices=None, is_decode=decode,
+                           query_lens_cpu=q_lens, context_lens_cpu=ctx_lens)
+        triton_attention.TritonAttentionBackend.attend(torch.zeros(sum(q_lens), 32, 4), cache, step, 0.1, None, None)
+    assert seen == [pa.decode_splits(1, 8), pa.decode_splits(1, 8, long), pa.decode_splits(2, 8, long),
+                    pa.decode_splits(2, 8)]  # the mixed step's long context belongs to its prefill row
+    assert seen[1] > seen[0] and seen[2] > seen[3]
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_prefill_and_extend_match_reference(fp8):
     kv_dtype = torch.float8_e4m3fn if fp8 else DTYPE
