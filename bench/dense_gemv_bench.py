@@ -3,7 +3,8 @@ cuBLAS (F.linear) on Llama-3.1-8B's shapes, lm_head included. --fp8: the FP8 GEM
 per-tensor scales) against scaled_gemm_ref, timed against what the engine runs for an FP8 linear at M = 1
 (w8a8_linear_prequantized: fp8_small_m or torch._scaled_mm); lm_head stays bf16 in FP8 checkpoints and is left out.
 
-`python3 bench/dense_gemv_bench.py [--fp8] [--configs "BN,BK,W;..."] [--reps N] [--json FILE]`
+`python3 bench/dense_gemv_bench.py [--fp8 | --m2] [--configs "BN,BK,W;..."] [--reps N] [--json FILE]`
+(--m2: bf16 with two x rows, against cuBLAS at M = 2; the engine runs the GEMV at one row only so far)
 Configs: gemv_config's choice per shape (None), then --configs.
 1. checks every config against x.float() @ W.float().T rounded to bf16 on fresh random inputs (the four linears,
    ragged K and odd N with bias, fp16): rel err = ||out - ref|| / ||ref||, FAIL at TOL or more (exit 1);
@@ -50,20 +51,20 @@ def check_fp8(config) -> list[dict]:
     return rows
 
 
-def check(config) -> list[dict]:
+def check(config, m=1) -> list[dict]:
     rows = []
     for k, n, dtype, bias in CHECKS:
-        x = torch.randn(1, k, device="cuda", dtype=dtype)
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
         w = (torch.randn(n, k, device="cuda") * 0.02).to(dtype)
         b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
         ref = (x.float() @ w.float().T + (b.float() if bias else 0)).to(dtype)
         err = rel_err(dense_gemv.dense_gemv(x, w, b, config), ref)
-        rows.append({"kind": "check", "config": config, "K": k, "N": n, "dtype": str(dtype)[6:], "bias": bias,
+        rows.append({"kind": "check", "M": m, "config": config, "K": k, "N": n, "dtype": str(dtype)[6:], "bias": bias,
                      "rel_err": round(err, 6), "ok": err < TOL})
     return rows
 
 
-def time_shape(shape, k, n, configs, fp8: bool, reps: int, w4) -> dict:
+def time_shape(shape, k, n, configs, fp8: bool, reps: int, w4, m=1) -> dict:
     """us per call of the baseline and of each config, over enough weight copies to stream from HBM."""
     if fp8:
         x = (torch.randn(1, k, device="cuda") * 20).to(torch.float8_e4m3fn)
@@ -72,7 +73,7 @@ def time_shape(shape, k, n, configs, fp8: bool, reps: int, w4) -> dict:
         baseline = lambda w: w8a8.w8a8_linear_prequantized(x, w, sb, sa, None, torch.bfloat16)  # noqa: E731
         gemv = lambda w, c: dense_gemv.fp8_gemv(x, w, sa, sb, None, torch.bfloat16, c)  # noqa: E731
     else:
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(w4.copies_for(2 * n * k))]
         baseline = lambda w: F.linear(x, w)  # noqa: E731
         gemv = lambda w, c: dense_gemv.dense_gemv(x, w, None, c)  # noqa: E731
@@ -89,10 +90,14 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="", help="more configs BN,BK,W;... beside gemv_config's choice")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--fp8", action="store_true", help="the FP8 GEMV against the engine's FP8 route at M = 1")
+    ap.add_argument("--m2", action="store_true", help="bf16 with two x rows, against cuBLAS at M = 2")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.fp8 and args.m2:
+        print("error: --fp8 and --m2 exclude each other (the FP8 GEMV takes one row)", file=sys.stderr)
         return 2
     w4 = load_script("w4_gemv_bench.py")
     configs = [None] + [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
@@ -100,12 +105,12 @@ def main(argv=None) -> int:
     failed = 0
     shapes = SHAPES[:4] if args.fp8 else SHAPES
     for config in configs:
-        for r in (check_fp8 if args.fp8 else check)(config):
+        for r in (check_fp8(config) if args.fp8 else check(config, 2 if args.m2 else 1)):
             failed += not r["ok"]
             print(json.dumps(r), file=out)
     times, elem = {}, 1 if args.fp8 else 2
     for shape, k, n in shapes:
-        times.update(time_shape(shape, k, n, configs, args.fp8, args.reps, w4))
+        times.update(time_shape(shape, k, n, configs, args.fp8, args.reps, w4, 2 if args.m2 else 1))
         for key in ("baseline", *configs):
             print(json.dumps({"kind": "time", "shape": shape, "K": k, "N": n, "fmt": "fp8" if args.fp8 else "bf16",
                               "op": key or "gemv_config", "us": round(times[shape, key], 2),

@@ -37,6 +37,25 @@ def test_dense_gemv_matches_fp32_math(k, n, config, dtype, bias):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("k,n,config,dtype,bias", [
+    (1024, 12, (8, 256, 1), torch.float16, True),  # four steps; N not a multiple of BLOCK_N
+    (300, 5, (4, 256, 1), torch.float16, False),  # K ragged: the second step masked
+    (1000, 9, (8, 512, 2), torch.bfloat16, True),
+])
+def test_dense_gemv_two_rows_match_fp32_math(k, n, config, dtype, bias):
+    """Two x rows share each weight load and conversion; each row is checked on its own (a second row that read the
+    first row's x, or was stored over it, fails)."""
+    g = torch.Generator().manual_seed(k + n + 1)
+    x = torch.randn(2, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    ref = (x.float() @ w.float().T + (b.float() if bias else 0)).to(dtype)
+    out = dense_gemv(x, w, b, config)
+    assert out.shape == (2, n) and out.dtype == dtype
+    for m in range(2):
+        assert rel_err(out[m], ref[m]) < TOL[dtype], m
+
+
 def test_dense_gemv_rejects_a_config_that_does_not_cover_the_threads():
     x = torch.randn(1, 256)
     with pytest.raises(AssertionError):
