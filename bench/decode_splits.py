@@ -1,8 +1,8 @@
 """Paged decode attention at small batches (Llama-8B heads: 32 query / 8 KV heads, D 128, block 16, shuffled block
 tables), the engine's tiles (decode_variant) under other numbers of context splits (a short context leaves some of them
-idle). Each is checked against paged_decode_ref, then timed as CUDA-graph replays of 20 consecutive calls (kernel and combine, launch gaps included,
-as in the engine's decode graph). us per call; "engine" marks decode_splits' choices. bf16 KV (the int4_awq / nvfp4 /
-bf16 checkpoints) and FP8 KV (fp8).
+idle). Each is checked against paged_decode_ref, then timed as CUDA-graph replays of 20 consecutive calls (kernel and
+combine, launch gaps included, as in the engine's decode graph). us per call; "engine" marks decode_splits' choices.
+bf16 KV (the int4_awq / nvfp4 / bf16 checkpoints) and FP8 KV (fp8).
 
 `python3 bench/decode_splits.py [--batches 1,4,16,64] [--contexts 256,1024,4096,32768] [--splits x1,x2,x4,x8]
 [--json FILE]`  (splits: xN a multiple of the engine's decode_splits, capped at 128, or a number)
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lowbit.bench_cli import int_list  # noqa: E402
 from lowbit.kernels import paged_attention as pa  # noqa: E402
 
 BLOCK, HK, HQ, D = 16, 8, 32, 128
@@ -59,18 +60,21 @@ def main() -> int:
     ap.add_argument("--splits", default="x1,x2,x4,x8")
     ap.add_argument("--json")
     args = ap.parse_args()
-    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    batches, contexts = int_list(ap, "--batches", args.batches), int_list(ap, "--contexts", args.contexts)
+    multiples = int_list(ap, "--splits", ",".join(m[1:] for m in args.splits.split(",") if m.startswith("x")))
+    fixed = int_list(ap, "--splits", ",".join(m for m in args.splits.split(",") if not m.startswith("x")))
+    if not torch.cuda.is_available():
+        print("error: needs a CUDA GPU", file=sys.stderr)
+        return 2
     out = open(args.json, "w") if args.json else sys.stdout
     one = torch.tensor(1.0, device="cuda")
     failed, rows = 0, []
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         kv = str(kv_dtype).split(".")[-1]
-        for batch in ints(args.batches):
+        for batch in batches:
             base = pa.decode_splits(batch, HK)
             long = pa.decode_splits(batch, HK, pa.LONG_CONTEXT + 1)
-            fixed = {int(m) for m in args.splits.split(",") if not m.startswith("x")}
-            for s in sorted({min(MAX, base * int(m[1:])) for m in args.splits.split(",") if m.startswith("x")}
-                            | fixed | {long}):
+            for s in sorted({min(MAX, base * m) for m in multiples} | set(fixed) | {long}):
                 q, cache, bt, lens = case(kv_dtype, batch, 300)
                 lens[1:] = torch.randint(1, 301, (batch - 1,), device="cuda")  # 1-token and partial-tile contexts
                 ref = pa.paged_decode_ref(q, cache, bt, lens, D ** -0.5, one, one)
@@ -83,19 +87,18 @@ def main() -> int:
                     continue
                 row = {"kind": "time", "kv": kv, "batch": batch, "splits": s,
                        "engine": ["short contexts"] * (s == base) + [f"over {pa.LONG_CONTEXT} keys"] * (s == long)}
-                for ctx in ints(args.contexts):
+                for ctx in contexts:
                     q, cache, bt, lens = case(kv_dtype, batch, ctx)
                     row[ctx] = graph_us(lambda: pa.paged_decode(q, cache, bt, lens, D ** -0.5, one, one, num_splits=s))
                     del cache
                 print(json.dumps(row), file=out)
                 rows.append(row)
-    ctxs = ints(args.contexts)
-    print("\n| KV | batch | splits | " + " | ".join(f"ctx {c}" for c in ctxs) + " |")
-    print("|---|---|---|" + "---|" * len(ctxs))
+    print("\n| KV | batch | splits | " + " | ".join(f"ctx {c}" for c in contexts) + " |")
+    print("|---|---|---|" + "---|" * len(contexts))
     for r in rows:
         mark = f" (engine: {', '.join(r['engine'])})" if r["engine"] else ""
         print(f"| {r['kv']} | {r['batch']} | {r['splits']}{mark} | "
-              + " | ".join(str(r[c]) for c in ctxs) + " |")
+              + " | ".join(str(r[c]) for c in contexts) + " |")
     print(f"checks failed: {failed}")
     return 1 if failed else 0
 

@@ -85,6 +85,18 @@ def time_shape(shape, k, n, configs, fp8: bool, reps: int, w4, m=1) -> dict:
     return times
 
 
+def parse_config(ap, text: str, vec: int) -> tuple[int, int, int]:
+    """'BN,BK,W' -> (BN, BK, W): BN a power of two, BK a multiple of vec x 32 x W (16-byte chunks over the threads);
+    anything else is a usage error (one line, exit 2)."""
+    try:
+        bn, bk, w = (int(v) for v in text.split(","))
+    except ValueError:
+        ap.error(f"--configs {text!r}: expected BN,BK,W (three integers)")
+    if bn < 1 or bn & (bn - 1) or w < 1 or bk % (vec * 32 * w):
+        ap.error(f"--configs {text!r}: BN a power of two, BK a multiple of {vec} x 32 x W")
+    return bn, bk, w
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="", help="more configs BN,BK,W;... beside gemv_config's choice")
@@ -93,14 +105,13 @@ def main(argv=None) -> int:
     ap.add_argument("--m2", action="store_true", help="bf16 with two x rows, against cuBLAS at M = 2")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.fp8 and args.m2:
+        ap.error("--fp8 and --m2 exclude each other (the FP8 GEMV takes one row)")
+    configs = [None] + [parse_config(ap, c, 16 // (1 if args.fp8 else 2)) for c in args.configs.split(";") if c.strip()]
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.fp8 and args.m2:
-        print("error: --fp8 and --m2 exclude each other (the FP8 GEMV takes one row)", file=sys.stderr)
-        return 2
     w4 = load_script("w4_gemv_bench.py")
-    configs = [None] + [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
     out = open(args.json, "w") if args.json else sys.stdout
     failed = 0
     shapes = SHAPES[:4] if args.fp8 else SHAPES

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lowbit.bench_cli import int_list  # noqa: E402
 from lowbit.kernels.norm import quantize_fp8_ref  # noqa: E402
 from lowbit.serve import attention as attn_mod  # noqa: E402
 from lowbit.serve import layers as layers_mod  # noqa: E402
@@ -72,7 +73,9 @@ def parse(argv):
     p.add_argument("--deadline-s", type=float, default=1e9)
     p.add_argument("--json")
     p.add_argument("--markdown")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.latency_isls = int_list(p, "--latency-isl", args.latency_isl)
+    return args
 
 
 # ---- engines
@@ -444,8 +447,7 @@ def bench_format(args, fmt, results) -> dict:
     vocab = engine.runner.model.config["vocab_size"]
     offline(engine, fresh_prompts(min(32, args.num_requests), args.isl, vocab), 4)  # warm-up: prefill shapes
     res["batch1"] = latency(engine, random_prompts(1, args.isl, vocab, 2)[0], args.osl)
-    res["batch1_long"] = [latency(engine, random_prompts(1, int(isl), vocab, 3)[0], args.osl)
-                          for isl in filter(None, args.latency_isl.split(","))]
+    res["batch1_long"] = [latency(engine, random_prompts(1, isl, vocab, 3)[0], args.osl) for isl in args.latency_isls]
     warm_up(engine, args, args.isl, args.osl, args.num_requests)
     res["max_load"] = offline(engine, fresh_prompts(args.num_requests, args.isl, vocab), args.osl)
     if fmt == "bf16" and "output_tok_s" in results.get("hf", {}):

@@ -107,9 +107,9 @@ def run_checks(emit, config=None, m=1) -> bool:
         err = rel_err(out, ref)
         ok = bool(torch.isfinite(out).all()) and out.shape == ref.shape and err < TOL
         ok_all &= ok
-        emit({"kind": "check", "M": m, "config": config or default_config(m), "fmt": fmt, "group": group, "K": k, "N": n,
-              "dtype": str(dtype).removeprefix("torch."), "smooth": smooth, "bias": bias, "rel_err": err, "tol": TOL,
-              "result": "PASS" if ok else "FAIL"})
+        emit({"kind": "check", "M": m, "config": config or default_config(m), "fmt": fmt, "group": group, "K": k,
+              "N": n, "dtype": str(dtype).removeprefix("torch."), "smooth": smooth, "bias": bias, "rel_err": err,
+              "tol": TOL, "result": "PASS" if ok else "FAIL"})
     if DRY_RUN:
         return ok_all
     for fmt in ("int4", "nvfp4"):  # graph replay on new x (no state between launches, but the engine replays graphs)

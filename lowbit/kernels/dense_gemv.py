@@ -93,7 +93,7 @@ def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, HA
     for kb in range(0, n_steps):
         k0 = kb * BLOCK_K
         k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
-        if EVEN_K:
+        if EVEN_K:  # row 0's x loaded here, not by _x_step: that order keeps the timed one-row SASS (238 loop ops)
             w_next = tl.load(w_ptrs + k_next, cache_modifier=".cg")
             xs = tl.load(x_ptr + k0 + kk)
         else:

@@ -27,7 +27,7 @@ W4_ALGOS = ("NVFP4", "W4A16_NVFP4", "W4A16_AWQ")
 @dataclass
 class PreparedLinear:
     algo: str  # a modelopt quant_algo, or "bf16" for a plain layer
-    kind: str  # "dense" (F.linear, or the decode GEMV at one row), "w8a8" (act_quant + fp8/int8 GEMM), "w4" (4-bit dequant GEMM), "source"
+    kind: str  # "dense" (dense_linear), "w8a8" (act_quant + fp8/int8 GEMM), "w4" (4-bit dequant GEMM), "source"
     in_features: int
     out_features: int
     weight: torch.Tensor | w4a16.W4Weight | None = None

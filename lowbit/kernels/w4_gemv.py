@@ -285,9 +285,9 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, N, K, KP
                     IS_FP4: tl.constexpr, GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MASK_X: tl.constexpr,
                     M2: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
-    """out[m, n] for BLOCK_N rows n, all of K, m = 0 (and 1, M2). EVEN_K: BLOCK_K | KP (no masked chunk); MASK_X: K % BLOCK_K != 0
-    (x and pre_quant_scale masked past K; the padded weights past K are 0 anyway). The first step's weights are
-    loaded before waiting for x's producer (PDL)."""
+    """out[m, n] for BLOCK_N rows n, all of K, m = 0 (and 1, M2). EVEN_K: BLOCK_K | KP (no masked chunk); MASK_X:
+    K % BLOCK_K != 0 (x and pre_quant_scale masked past K; the padded weights past K are 0 anyway). The first step's
+    weights are loaded before waiting for x's producer (PDL)."""
     C: tl.constexpr = BLOCK_K // 32
     # magic = 0x43800000 (256.0f) from the host: an opaque value lives in a register, so that each nibble's mask and
     # OR is one LOP3 (with two immediates ptxas emits two)

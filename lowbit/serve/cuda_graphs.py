@@ -48,7 +48,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Largest first, all graphs in one memory pool."""
-        keys = [(bs, long) for bs in reversed(self.sizes) for long in (False, True) if not long or bs in self.long_sizes]
+        keys = [(bs, long) for bs in reversed(self.sizes) for long in (False, True)
+                if not long or bs in self.long_sizes]
         for key in keys:
             self._forward(*key)  # warm-up: compiles kernels outside the capture
             torch.cuda.synchronize()

@@ -37,7 +37,9 @@ class TritonAttentionBackend:
     @staticmethod
     def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None) -> torch.Tensor:
         n = len(ctx.query_lens_cpu) if ctx.is_decode else leading_single_tokens(ctx.query_lens_cpu)
-        splits = pa.decode_splits(n, kv_cache.shape[3], max(ctx.context_lens_cpu[:n])) if n else 0
+        splits = pa.decode_splits(n, kv_cache.shape[3]) if n else 0
+        if splits > 1:  # a small batch (few lengths to scan): its longest context may call for more splits
+            splits = pa.decode_splits(n, kv_cache.shape[3], max(ctx.context_lens_cpu[:n]))
         if n == len(ctx.query_lens_cpu):  # decodes, or one-token prompt chunks only: one row per sequence
             return pa.paged_decode(q, kv_cache, ctx.block_tables, ctx.context_lens, scale, k_scale, v_scale,
                                    num_splits=splits, out_scale=out_scale)
