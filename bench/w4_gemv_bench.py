@@ -33,7 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without pip install -e
 
 from lowbit.bench_cli import load_script  # noqa: E402
-from lowbit.kernels import w4_gemv, w4a16  # noqa: E402
+from lowbit.kernels import w4_gemv, w4_small_m, w4a16  # noqa: E402
 
 DEV = "cpu" if DRY_RUN else "cuda"
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
@@ -90,8 +90,21 @@ def check_cases():
     return cases
 
 
-def default_config(m: int):
-    return w4_gemv.GEMV_CONFIG if m == 1 else w4_gemv.GEMV_CONFIG_M2
+def default_config(m: int, fmt: str):
+    return w4_gemv.GEMV_CONFIG if m == 1 else w4_gemv.GEMV_CONFIG_M2[fmt]
+
+
+def tensor_core_route(x, w):
+    """What w4a16_gemm runs past the GEMV's rows: w4_small_m where it takes the shape, else the tensor-core kernel."""
+    m, n, kp = x.shape[0], w.out_features, w.qweight.shape[1] * 8
+    if w4_small_m.takes(m, n, kp, w.fmt):
+        return w4_small_m.w4_small_m(x, w)
+    return w4a16.w4a16_gemm(x, w, config=w4a16.choose_config(m, n, kp, w.fmt))
+
+
+def config_key(config):
+    """How rows name a config: "default" (None: each format's default for m rows), "tensor_core", or a tuple."""
+    return "default" if config is None else config if isinstance(config, str) else tuple(config)
 
 
 def run_checks(emit, config=None, m=1) -> bool:
@@ -107,7 +120,7 @@ def run_checks(emit, config=None, m=1) -> bool:
         err = rel_err(out, ref)
         ok = bool(torch.isfinite(out).all()) and out.shape == ref.shape and err < TOL
         ok_all &= ok
-        emit({"kind": "check", "M": m, "config": config or default_config(m), "fmt": fmt, "group": group, "K": k,
+        emit({"kind": "check", "M": m, "config": config or default_config(m, fmt), "fmt": fmt, "group": group, "K": k,
               "N": n, "dtype": str(dtype).removeprefix("torch."), "smooth": smooth, "bias": bias, "rel_err": err,
               "tol": TOL, "result": "PASS" if ok else "FAIL"})
     if DRY_RUN:
@@ -127,7 +140,7 @@ def run_checks(emit, config=None, m=1) -> bool:
             errs.append(rel_err(out, w4a16.w4a16_gemm_ref(x, w)))
         ok = max(errs) < TOL
         ok_all &= ok
-        emit({"kind": "check", "M": m, "config": config or default_config(m), "fmt": fmt, "K": 4096, "N": 4096,
+        emit({"kind": "check", "M": m, "config": config or default_config(m, fmt), "fmt": fmt, "K": 4096, "N": 4096,
               "graph_replays": 2, "rel_err": max(errs), "tol": TOL, "result": "PASS" if ok else "FAIL"})
     return ok_all
 
@@ -151,7 +164,7 @@ def copies_for(nbytes) -> int:
 def run_timing(reps, emit, smooth=False, configs=(None,), m=1):
     """smooth: INT4 weights carry a pre_quant_scale (real AWQ checkpoints do; the engine's dummy weights do not).
     configs: GEMV configs timed on the same weights (None: the default for m rows). m = 2: also what w4a16_gemm
-    runs there today (config "engine": w4_small_m or the tensor-core kernel)."""
+    runs without the GEMV (config "tensor_core": w4_small_m or the tensor-core kernel, w4a16_gemm's route for M >= 3)."""
     rows = []
     for shape, k, n in SHAPES:
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
@@ -168,11 +181,11 @@ def run_timing(reps, emit, smooth=False, configs=(None,), m=1):
                   for _ in range(1 if DRY_RUN else copies_for(nbytes))]
             ops = [("w4_gemv", c, lambda w, c=c: gemv(x, w, config=c)) for c in configs]
             if m > 1:
-                ops.append(("w4a16_gemm", "engine", lambda w: w4a16.w4a16_gemm(x, w)))
+                ops.append(("w4a16_gemm", "tensor_core", lambda w: tensor_core_route(x, w)))
             for op, config, fn in ops:
                 us = graph_time_us([lambda w=w: fn(w) for w in ws], reps)
                 rows.append({"kind": "time", "M": m, "shape": shape, "K": k, "N": n, "fmt": fmt, "op": op,
-                             "config": config if op != "w4_gemv" else tuple(config or default_config(m)), "us": us,
+                             "config": config_key(config), "us": us,
                              "GBps": nbytes / us / 1e3, "speedup_vs_cublas": cublas / us})
                 emit(rows[-1])
             del ws
@@ -182,9 +195,9 @@ def run_timing(reps, emit, smooth=False, configs=(None,), m=1):
 
 
 def table(rows, config, m=1) -> str:
-    """Markdown for one config ("engine": w4a16_gemm's own route): per shape, us (weight+scale GB/s) and speedup
+    """Markdown for one config ("tensor_core": w4a16_gemm's route without the GEMV): per shape, us (weight+scale GB/s) and speedup
     over cuBLAS bf16 per format; then per-token sums."""
-    config = config if isinstance(config, str) else tuple(config or default_config(m))
+    config = config_key(config)
     get = {(r["shape"], r["fmt"]): r for r in rows if r["fmt"] == "bf16" or r["config"] == config}
     out = [f"\n### M = {m}, GEMV config (BLOCK_N, BLOCK_K, num_warps) = {config}\n",
            "| shape | cuBLAS bf16 us | INT4 g128 us (GB/s) | x cuBLAS | NVFP4 us (GB/s) | x cuBLAS |",
@@ -212,7 +225,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smooth", action="store_true", help="time INT4 with pre_quant_scale (as AWQ checkpoints)")
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test of the script (interpreter, tiny shapes)")
     ap.add_argument("--configs", default="", help="more GEMV configs, BN,BK,W;... (checked, then timed)")
-    ap.add_argument("--m2", action="store_true", help="x of two rows: the two-row GEMV against w4a16_gemm's route")
+    ap.add_argument("--m2", action="store_true", help="x of two rows: the two-row GEMV against w4_small_m / the tensor-core kernel")
     args = ap.parse_args(argv)
     try:
         extra = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
@@ -245,7 +258,7 @@ def main(argv=None) -> int:
         emit({"kind": "checks_done", "all_pass": ok, "s": time.time() - t0})
     rows = run_timing(args.reps, emit, args.smooth, configs, m)
     emit({"kind": "done", "s": time.time() - t0, "all_pass": ok})
-    for config in configs + (["engine"] if m > 1 else []):
+    for config in configs + (["tensor_core"] if m > 1 else []):
         print(table(rows, config, m))
     if args.json:
         args.json.write_text("\n".join(json.dumps(d, default=str) for d in lines) + "\n")

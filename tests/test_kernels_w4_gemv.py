@@ -101,16 +101,16 @@ def test_gemv_accumulates_in_fp32(fmt, group, tol):
 
 
 def test_w4a16_gemm_dispatches_decode_to_the_gemv(monkeypatch):
-    """w4a16_gemm runs M <= GEMV_MAX_M (= 1) on the GEMV, M = 2 on the tensor-core kernel."""
+    """w4a16_gemm runs M <= GEMV_MAX_M (= 2) on the GEMV, M = 3 on the tensor-core kernel."""
     packed = _packed("nvfp4", 64, 2048, 16, None, seed=3)
     calls = []
     real = w4_gemv.w4_gemv
     monkeypatch.setattr(w4_gemv, "w4_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    for m in (1, 2):
+    for m in (1, 2, 3):
         x = torch.randn(m, 2048, generator=torch.Generator().manual_seed(m)).half()
         out = w4a16.w4a16_gemm(x, packed)
         assert rel_err(out, w4a16.w4a16_gemm_ref(x, packed)) < 2e-3
-    assert w4_gemv.GEMV_MAX_M == 1 and calls == [1]
+    assert w4_gemv.GEMV_MAX_M == 2 and calls == [1, 2]
 
 
 def test_gemv_rejects_bad_shapes():

@@ -22,7 +22,7 @@ Each program owns BLOCK_N output rows over all of K (no split-K, no second launc
   (Triton's own conversion adds a PRMT per pair), by Triton in the interpreter (which cannot run PTX). Exact
   products, fp32 chain per 16-block, times the e4m3 block scale; global scale and 2^14 applied once to the sum.
 - Offline SASS (triton 3.6, sm_90, loop body per weight): INT4 3.16 instructions, NVFP4 4.73; 128 registers. Two
-  rows (GEMV_CONFIG_M2 = (4, 2048, 2)): INT4 5.3 (168 registers), NVFP4 6.5 (96), for twice the products.
+  rows (GEMV_CONFIG_M2): INT4 4.6 (168 registers), NVFP4 6.5 (96), for twice the products.
 H200, Llama-3.1-8B shapes, per token: INT4 2.4x and NVFP4 1.9x cuBLAS bf16, 1.8x the previous GEMV (removed)
 (docs/kernels_notes.md, benchmarks.md run 16).
 """
@@ -30,22 +30,22 @@ import torch
 
 from lowbit.kernels._triton import cdiv, early_kernel, helper, interpreting, tl, use_triton, wait_for_producers
 
-GEMV_MAX_M = 1  # w4a16_gemm dispatches M <= this to the GEMV; M = 2 keeps the tensor-core kernels until the two-row
-# GEMV is timed against them (the first session's GEMV lost there; kernels_notes.md)
+GEMV_MAX_M = 2  # w4a16_gemm dispatches M <= this to the GEMV. At M = 2, per token of Llama-3.1-8B (H200, run 41):
+# INT4 2.26 ms against w4_small_m's 2.88, NVFP4 2.51 against the tensor-core kernel's 4.28
 GEMV_CONFIG = (8, 2048, 2)  # (BLOCK_N, BLOCK_K, num_warps): best of the H200 sweep for both formats (128 registers;
 # BLOCK_K 2048 divides every KP of Llama-3.1-8B: no masked step)
-GEMV_CONFIG_M2 = (4, 2048, 2)  # M = 2 (not timed yet, nothing dispatches to it: bench/w4_gemv_bench.py --m2)
+GEMV_CONFIG_M2 = {"int4": (8, 2048, 2), "nvfp4": (4, 2048, 2)}  # M = 2: each format's best of the run-41 sweep
 
 
 def w4_gemv(x, w, bias=None, config=None):
     """x [M, K] bf16/fp16/fp32, M = 1 or 2 -> [M, N] in x's dtype, w a lowbit.kernels.w4a16.W4Weight. Two rows share
     each dequantized weight (one more FMA per weight and row). config (BLOCK_N, BLOCK_K, num_warps), default
-    GEMV_CONFIG (M = 1) or GEMV_CONFIG_M2; BLOCK_K a multiple of 1024 x num_warps."""
+    GEMV_CONFIG (M = 1) or GEMV_CONFIG_M2[w.fmt]; BLOCK_K a multiple of 1024 x num_warps."""
     assert use_triton(x)
     x = x.contiguous()
     M, K = x.shape
     assert M in (1, 2), "the GEMV takes M = 1 or 2"
-    block_n, block_k, warps = config or (GEMV_CONFIG if M == 1 else GEMV_CONFIG_M2)
+    block_n, block_k, warps = config or (GEMV_CONFIG if M == 1 else GEMV_CONFIG_M2[w.fmt])
     assert block_k % (1024 * warps) == 0, (block_k, warps)  # C = BLOCK_K / 32 chunks cover all threads
     assert block_n % 4 == 0, block_n  # INT4 scales of 4 rows per load
     if w.fmt == "int4":
