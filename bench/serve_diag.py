@@ -126,7 +126,7 @@ def replay_times(bench, args, fmt) -> dict:
     engine = bench.build_engine(args, fmt)
     g = engine.runner.graphs
     res = {"format": fmt, "weight_gib": round(bench.weight_bytes(engine) / 2**30, 2)}
-    for bs in (1, 2, 16, 64, 256):
+    for bs in (1, 2, 4, 8, 16, 64, 256):
         ms = triton.testing.do_bench(g.graphs[bs, False].replay, warmup=20, rep=100, return_mode="median")
         res[f"replay_ms_bs{bs}"] = round(ms, 3)
     res["weights_TB_s_bs1"] = round(res["weight_gib"] * 2**30 / res["replay_ms_bs1"] / 1e9, 2)

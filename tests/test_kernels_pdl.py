@@ -78,6 +78,30 @@ def test_launch_options(monkeypatch, enabled, early):
     assert rec.kwargs == expected
 
 
+@pytest.mark.parametrize("early", [True, False])
+def test_all_kernels_early(monkeypatch, early):
+    """Inside all_kernels_early() every kernel gets the launch attribute; outside it (and after an error inside it)
+    only early_kernels do; all_kernels_early(False) changes nothing."""
+    def fn(x_ptr, PDL):
+        pass
+    k = _triton.kernel(fn, launch_early=early)
+    rec = k._built["jit"] = _Recorder()
+    monkeypatch.setattr(_triton, "interpreting", lambda: False)
+    monkeypatch.setattr(_triton, "pdl_enabled", lambda: True)
+    seen = []
+    with pytest.raises(RuntimeError):
+        with _triton.all_kernels_early():
+            k[(1,)](0)
+            seen.append("launch_pdl" in rec.kwargs)
+            with _triton.all_kernels_early(False):
+                k[(1,)](0)
+                seen.append("launch_pdl" in rec.kwargs)
+            raise RuntimeError("capture failed")
+    k[(1,)](0)
+    seen.append("launch_pdl" in rec.kwargs)
+    assert seen == [True, early, early]
+
+
 def test_interpreter_gets_no_pdl(monkeypatch):
     def fn(x_ptr, PDL):
         pass

@@ -8,11 +8,12 @@ Kernels are decorated with `kernel` instead of `triton.jit`, so that mode is cho
 Programmatic dependent launch (PDL, Hopper and later). Every kernel takes a `PDL: tl.constexpr` parameter and calls
 `wait_for_producers(PDL)` before it reads anything an earlier kernel wrote and before it writes anything; before
 that call it may read only weights (never written while serving). The call waits for the kernels before it (a no-op
-unless this kernel was launched early) and lets the next kernel launch early. Only `early_kernel`s are launched
-early: the M = 1 GEMVs (w4_gemv, dense_gemv), whose first weight tiles then stream in while the small kernel before
-them finishes.
-Launching every kernel early measured slower at batch 16-256 (docs/serve_gpu_notes.md). LOWBIT_PDL=0: no PDL.
+unless this kernel was launched early) and lets the next kernel launch early. `early_kernel`s are launched early:
+the M = 1 GEMVs (w4_gemv, dense_gemv), whose first weight tiles then stream in while the small kernel before them
+finishes. Inside `all_kernels_early()` every kernel is: the decode graphs of the smallest batches are captured so
+(lowbit.serve.cuda_graphs); at batch 16-256 that measured slower (docs/serve_gpu_notes.md). LOWBIT_PDL=0: no PDL.
 """
+import contextlib
 import inspect
 import os
 from types import SimpleNamespace
@@ -63,6 +64,20 @@ def pdl_enabled() -> bool:
     return _PDL_ON
 
 
+_ALL_EARLY = False  # inside all_kernels_early()
+
+
+@contextlib.contextmanager
+def all_kernels_early(on: bool = True):
+    """Within this block (when on), every kernel launched is launched early under PDL, not only early_kernels."""
+    global _ALL_EARLY
+    before, _ALL_EARLY = _ALL_EARLY, on
+    try:
+        yield
+    finally:
+        _ALL_EARLY = before
+
+
 class kernel:
     """A lazily built Triton kernel: `kernel(fn)[grid](*args)` compiles or interprets fn on first use, passing its
     PDL argument from pdl_enabled(); launch_early: also launched as a programmatic dependent."""
@@ -83,7 +98,7 @@ class kernel:
                 self._built[mode] = triton.jit(self.fn)
         launch = self._built[mode][grid]
         pdl = mode == "jit" and pdl_enabled()
-        options = {"launch_pdl": True} if pdl and self.launch_early else {}
+        options = {"launch_pdl": True} if pdl and (self.launch_early or _ALL_EARLY) else {}
         return lambda *args, **kwargs: launch(*args, PDL=pdl, **options, **kwargs)
 
 

@@ -5,14 +5,20 @@ second one for the sizes whose decode attention splits contexts over LONG_CONTEX
 Each graph reads static input buffers (input ids, positions, slots, context lengths, block tables) and writes the
 logits of every row; padded rows store nothing (slot -1) and attend to one key of block 0. Nothing inside a
 replay synchronises with the host. Needs an attention backend whose decode path reads device tensors only.
+Graphs of at most ALL_EARLY_MAX_BATCH rows are captured with every Triton kernel launched early (PDL), so each
+kernel's launch overlaps the one before it.
 """
 import torch
 
+from lowbit.kernels._triton import all_kernels_early
 from lowbit.kernels.paged_attention import LONG_CONTEXT, decode_splits
 from lowbit.serve.context import StepContext
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832,
                  896, 960, 1024)
+ALL_EARLY_MAX_BATCH = 2  # H200 (run 41), replay ms at batch 1 / 2, all early vs only the GEMVs: bf16 4.17 / 4.54 vs
+# 4.30 / 4.62, int4_awq 2.10 / 2.77 vs 2.25 / 2.93, nvfp4 2.46 / 3.03 vs 2.64 / 3.20, fp8 2.80 / 2.83 vs 2.88 / 2.90;
+# at batch 4 and 8 bf16, nvfp4 and fp8 were slower, and at 16-64 every format (run 39)
 
 
 class DecodeGraphs:
@@ -51,11 +57,12 @@ class DecodeGraphs:
         keys = [(bs, long) for bs in reversed(self.sizes) for long in (False, True)
                 if not long or bs in self.long_sizes]
         for key in keys:
-            self._forward(*key)  # warm-up: compiles kernels outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[key] = self._forward(*key)
+            with all_kernels_early(key[0] <= ALL_EARLY_MAX_BATCH):
+                self._forward(*key)  # warm-up: compiles kernels (and their launch variants) outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.logits[key] = self._forward(*key)
             self.pool = graph.pool()
             self.graphs[key] = graph
         torch.cuda.synchronize()
