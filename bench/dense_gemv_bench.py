@@ -1,7 +1,8 @@
 """bf16 decode GEMV (lowbit.kernels.dense_gemv, M = 1) on the GPU: checked against fp32 math, then timed against
 cuBLAS (F.linear) on Llama-3.1-8B's shapes, lm_head included. --fp8: the FP8 GEMV (fp8_gemv: FP8 x and weights,
-per-tensor scales) against scaled_gemm_ref, timed against what the engine runs for an FP8 linear at M = 1
-(w8a8_linear_prequantized: fp8_small_m or torch._scaled_mm); lm_head stays bf16 in FP8 checkpoints and is left out.
+per-tensor scales) against scaled_gemm_ref, timed against the tensor-core route of an FP8 linear at M = 1
+(w8a8.tensor_core_linear: fp8_small_m or torch._scaled_mm; the engine runs fp8_gemv on layers up to
+w8a8.FP8_GEMV_MAX_WEIGHTS); lm_head stays bf16 in FP8 checkpoints and is left out.
 
 `python3 bench/dense_gemv_bench.py [--fp8 | --m2] [--configs "BN,BK,W;..."] [--reps N] [--json FILE]`
 (--m2: bf16 with two x rows, against cuBLAS at M = 2; the engine runs the GEMV at one row only so far)
@@ -70,7 +71,7 @@ def time_shape(shape, k, n, configs, fp8: bool, reps: int, w4, m=1) -> dict:
         x = (torch.randn(1, k, device="cuda") * 20).to(torch.float8_e4m3fn)
         ws = [(torch.randn(n, k, device="cuda") * 20).to(torch.float8_e4m3fn) for _ in range(w4.copies_for(n * k))]
         sa, sb = torch.tensor(0.01, device="cuda"), torch.tensor(3e-4, device="cuda")
-        baseline = lambda w: w8a8.w8a8_linear_prequantized(x, w, sb, sa, None, torch.bfloat16)  # noqa: E731
+        baseline = lambda w: w8a8.tensor_core_linear(x, w, sb, sa, None, torch.bfloat16)  # noqa: E731
         gemv = lambda w, c: dense_gemv.fp8_gemv(x, w, sa, sb, None, torch.bfloat16, c)  # noqa: E731
     else:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
                               "op": key or "gemv_config", "us": round(times[shape, key], 2),
                               "GBps": round(elem * n * k / times[shape, key] / 1e3)}), file=out)
     cols = ["baseline", *configs]
-    base = "engine FP8 route" if args.fp8 else "cuBLAS bf16"
+    base = "FP8 tensor-core route" if args.fp8 else "cuBLAS bf16"
     print("\n| shape | " + " | ".join(f"{c or 'gemv_config'} us (GB/s)".replace("baseline", base) for c in cols)
           + " |")
     print("|---|" + "---|" * len(cols))

@@ -112,3 +112,24 @@ def test_w8a8_scale_kinds_and_cpu_route():
     assert w8a8.scale_kind(tokens, rows) == "per_token"
     q = fp8(torch.randn(3, 32))
     assert not w8a8.small_m_applies(q, fp8(torch.randn(8, 32)), one, rows)  # CPU tensors never take the kernel
+    assert not w8a8.fp8_gemv_applies(q[:1], fp8(torch.randn(8, 32)), one)
+
+
+@pytest.mark.parametrize("m,n,k,scale_a,routed", [
+    (1, 48, 64, "one", True),  # one row, one activation scale: the GEMV
+    (1, 48, 64, "token", True),  # a dynamic per-token scale of one row is one scale too
+    (2, 48, 64, "one", False),  # two rows: the tensor-core route
+    (1, 4096 * 6 + 1, 1024, "one", False),  # over FP8_GEMV_MAX_WEIGHTS
+])
+def test_one_fp8_row_of_a_small_layer_runs_the_gemv(monkeypatch, m, n, k, scale_a, routed):
+    """w8a8_linear_prequantized sends one row of a layer up to FP8_GEMV_MAX_WEIGHTS to fp8_gemv on Hopper (GPU
+    checks stubbed, the routes recorded) and everything else to the tensor-core route."""
+    q, w = fp8(torch.randn(m, k)), torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    sa = torch.tensor(0.5) if scale_a == "one" else torch.rand(m, 1)
+    calls = []
+    monkeypatch.setattr(w8a8, "on_gpu", lambda t: True)
+    monkeypatch.setattr(w8a8.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(w8a8, "fp8_gemv", lambda *a: calls.append(("gemv", a[6])))
+    monkeypatch.setattr(w8a8, "tensor_core_linear", lambda *a: calls.append(("tensor_core", None)))
+    w8a8.w8a8_linear_prequantized(q, w, torch.rand(n), sa, None, torch.bfloat16)
+    assert calls == ([("gemv", w8a8.FP8_GEMV_CONFIG)] if routed else [("tensor_core", None)])

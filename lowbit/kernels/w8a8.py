@@ -11,6 +11,7 @@ import torch
 
 from lowbit.kernels._triton import on_gpu
 from lowbit.kernels.act_quant import act_quant, act_quant_ref
+from lowbit.kernels.dense_gemv import fp8_gemv
 from lowbit.kernels.fp8_small_m import fp8_small_m_gemm
 from lowbit.kernels.scaled_gemm import scaled_gemm, scaled_gemm_ref
 
@@ -48,12 +49,23 @@ def _per_tensor_then_column_scale(q, w, scale_a, scale_b, bias, out_dtype):
 # K = 4096 (o 7.2-7.5 vs 10.6-11.6, qkv 9.4-9.9 vs 10.5-12.0, gate_up 30.2-31.6 vs 31.5-34.2 but for M = 2).
 SMALL_M_MAX = {"per_tensor": 24, "per_row": 32, "per_token": 32}
 SMALL_M_PER_TENSOR_MIN_K = 8192
+# One row of a layer of at most FP8_GEMV_MAX_WEIGHTS runs the CUDA-core fp8_gemv (H200, benchmarks.md run 41:
+# qkv 4096->6144 8.2 vs 9.9 us, o 4096->4096 7.6 vs 7.3; fp8 batch-1 step 2.778 -> 2.739 ms); larger layers keep
+# fp8_small_m / _scaled_mm (gate_up 33.8 vs 30.5 us, down 21.8 vs 18.1).
+FP8_GEMV_MAX_WEIGHTS = 4096 * 6144
+FP8_GEMV_CONFIG = (8, 1024, 2)  # (BLOCK_N, BLOCK_K, num_warps)
 
 
 def scale_kind(scale_a, scale_b) -> str:
     if scale_a.numel() > 1:
         return "per_token"
     return "per_row" if scale_b.numel() > 1 else "per_tensor"
+
+
+def fp8_gemv_applies(q, w, scale_a) -> bool:
+    """One FP8 row (one activation scale) on Hopper, a layer of at most FP8_GEMV_MAX_WEIGHTS."""
+    return (on_gpu(q) and q.shape[0] == 1 and scale_a.numel() == 1 and q.dtype == w.dtype == torch.float8_e4m3fn
+            and w.numel() <= FP8_GEMV_MAX_WEIGHTS and torch.cuda.get_device_capability(q.device) >= (9, 0))
 
 
 def small_m_applies(q, w, scale_a, scale_b) -> bool:
@@ -93,6 +105,13 @@ def w8a8_linear(x, w, w_scale, input_scale=None, smooth=None, bias=None):
 
 def w8a8_linear_prequantized(q, w, w_scale, scale_a, bias, out_dtype):
     """q [M, K] already quantized (x ~= q * scale_a), e.g. by a producer kernel's fp8 epilogue."""
+    if fp8_gemv_applies(q, w, scale_a):
+        return fp8_gemv(q, w, scale_a, w_scale, bias, out_dtype, FP8_GEMV_CONFIG)
+    return tensor_core_linear(q, w, w_scale, scale_a, bias, out_dtype)
+
+
+def tensor_core_linear(q, w, w_scale, scale_a, bias, out_dtype):
+    """w8a8_linear_prequantized without the one-row GEMV: fp8_small_m, cuBLAS or the Triton GEMM."""
     if small_m_applies(q, w, scale_a, w_scale):  # also where K or N is no multiple of 16
         return fp8_small_m_gemm(q, w, scale_a, w_scale, bias, out_dtype)
     if scaled_mm_applies(q, w):
