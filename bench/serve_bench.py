@@ -446,6 +446,8 @@ def bench_format(args, fmt, results) -> dict:
            "graph_sizes": engine.runner.graphs.sizes if engine.runner.graphs is not None else None}
     vocab = engine.runner.model.config["vocab_size"]
     offline(engine, fresh_prompts(min(32, args.num_requests), args.isl, vocab), 4)  # warm-up: prefill shapes
+    latency(engine, random_prompts(1, args.isl, vocab, 1)[0], 4)  # and one prompt alone (the W4 prefill kernels
+    # compile per M range: else the timed TTFT below includes a compile, ~1.8-2.5 s in run 41)
     res["batch1"] = latency(engine, random_prompts(1, args.isl, vocab, 2)[0], args.osl)
     res["batch1_long"] = [latency(engine, random_prompts(1, isl, vocab, 3)[0], args.osl) for isl in args.latency_isls]
     warm_up(engine, args, args.isl, args.osl, args.num_requests)
