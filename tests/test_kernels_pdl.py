@@ -42,8 +42,8 @@ def test_every_kernel_waits_for_its_producers(name, k):
 
 
 def test_only_the_gemvs_launch_early():
-    """The M = 1 GEMVs load their first weight step before they wait; launching other kernels early measured slower
-    (docs/serve_gpu_notes.md, tenth session)."""
+    """The M = 1 GEMVs load their first weight step before they wait. Other kernels launch early only inside
+    all_kernels_early (the decode graphs of batch 1-2): at batch 4-256 that measured slower (serve_gpu_notes.md)."""
     assert {n for n, k in KERNELS if k.launch_early} == {"w4_gemv._w4_gemv_kernel", "dense_gemv._dense_gemv_kernel"}
 
 

@@ -19,7 +19,7 @@ MAX_PROGRAMS_AT_4_ROWS = 1024
 # H200, Llama-3.1-8B shapes (`python3 bench/dense_gemv_bench.py`, benchmarks.md run 40), us per call: 4 rows per
 # program up to 1024 programs (o 4096->4096 9.8, down 14336->4096 28.8), else 8 (qkv 4096->6144 14.4, gate_up
 # 4096->28672 57.7, lm_head 4096->128256 237.1); cuBLAS bf16 13.6 / 31.9 / 15.4 / 56.5 / 238.9.
-# FP8 (fp8_gemv): the same configs, not timed yet (bench/dense_gemv_bench.py --fp8); nothing routes to it.
+# FP8 (fp8_gemv): lowbit.kernels.w8a8 runs it for one row of small layers, at its own config (run 41).
 
 
 def gemv_config(n: int, element_size: int = 2) -> tuple[int, int, int]:
