@@ -11,8 +11,8 @@
 #   bash bench/h200_session.sh compiles # 768 x 1000/1000: slow steps and the Triton kernels first built mid-run
 #   bash bench/h200_session.sh pdl      # decode-step graph replays of every format, PDL on and off (LOWBIT_PDL=0)
 #   bash bench/h200_session.sh splits   # decode attention at batch 1-16: the context-split counts, short and long
-#   bash bench/h200_session.sh dense    # the bf16 GEMV (one row; two rows, not routed), its FP8 variant (not routed)
-#   bash bench/h200_session.sh m2       # the W4 GEMV on two x rows vs w4a16_gemm's M = 2 route; decode steps at batch 2
+#   bash bench/h200_session.sh dense    # the bf16 GEMV (one row; two rows, not adopted), its FP8 variant (small layers)
+#   bash bench/h200_session.sh m2       # the W4 GEMV on two x rows vs w4_small_m / tensor cores; batch-2 decode steps
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -113,7 +113,7 @@ splits)
         --max-batch-size 16 --isl 128 --osl 64 --latency-isl 8192,32000 --json "$OUT/serve_long.json" 2>&1 | grep -E '^\['
     ;;
 dense)
-    part "batch-1 GEMV: bf16 weights (the engine's) vs cuBLAS; FP8 weights vs the engine's FP8 route (fp8_small_m / _scaled_mm)"
+    part "batch-1 GEMV: bf16 weights (the engine's) vs cuBLAS; FP8 weights vs the tensor-core route (fp8_small_m / _scaled_mm)"
     timeout 150 python3 bench/dense_gemv_bench.py --configs "8,2048,8;16,1024,4;2,2048,8;4,512,2;8,512,2" \
         --json "$OUT/dense_gemv.json" 2>&1 | grep -E '^\||failed'
     timeout 180 python3 bench/dense_gemv_bench.py --fp8 --configs "8,2048,4;4,2048,4;4,1024,2;8,1024,2" \
@@ -122,7 +122,7 @@ dense)
         --json "$OUT/dense_gemv_m2.json" 2>&1 | grep -E '^\||failed'
     ;;
 m2)
-    part "W4 GEMV with two x rows (GEMV_CONFIG_M2 and others) vs what w4a16_gemm runs at M = 2 today"
+    part "W4 GEMV with two x rows (GEMV_CONFIG_M2 and others) vs the route without it (w4_small_m / tensor-core kernel)"
     timeout 300 python3 bench/w4_gemv_bench.py --m2 --configs "8,2048,2;4,1024,1;8,1024,1" \
         --json "$OUT/w4_gemv_m2.json" 2>&1 | grep -E 'FAIL|^#|per token|checks_done'
     for max_m in 1 2; do

@@ -1,8 +1,9 @@
 """W4A16 decode GEMV (lowbit.kernels.w4_gemv, M = 1) on the GPU: correctness, then time vs cuBLAS bf16.
 
-`python3 bench/w4_gemv_bench.py [--smooth] [--json FILE] [--reps N] [--no-checks] [--configs "BN,BK,W;..."]`
+`python3 bench/w4_gemv_bench.py [--smooth] [--m2] [--json FILE] [--reps N] [--no-checks] [--configs "BN,BK,W;..."]`
 (from the repo root; ~30-60 s on an H200 per config, mostly Triton compiles; `--dry-run`: CPU smoke test of the
-script under the interpreter, tiny shapes). --configs: other GEMV configs (w4_gemv.GEMV_CONFIG's fields), each
+script under the interpreter, tiny shapes). --m2: x of two rows (GEMV_CONFIG_M2 per format), also timed against
+the route without the GEMV (w4_small_m / the tensor-core kernel). --configs: other GEMV configs (w4_gemv.GEMV_CONFIG's fields), each
 checked and timed after the default:
 1. checks the GEMV (w4_gemv.GEMV_CONFIG) against the torch reference w4a16_gemm_ref (fp32 math) on fresh random
    inputs on the GPU: INT4 (group 128, plus 16/32 on ragged shapes) and NVFP4, the four Llama-3.1-8B shapes, ragged
@@ -164,7 +165,8 @@ def copies_for(nbytes) -> int:
 def run_timing(reps, emit, smooth=False, configs=(None,), m=1):
     """smooth: INT4 weights carry a pre_quant_scale (real AWQ checkpoints do; the engine's dummy weights do not).
     configs: GEMV configs timed on the same weights (None: the default for m rows). m = 2: also what w4a16_gemm
-    runs without the GEMV (config "tensor_core": w4_small_m or the tensor-core kernel, w4a16_gemm's route for M >= 3)."""
+    runs without the GEMV (config "tensor_core": w4_small_m or the tensor-core kernel, w4a16_gemm's route for
+    M >= 3)."""
     rows = []
     for shape, k, n in SHAPES:
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
@@ -195,7 +197,7 @@ def run_timing(reps, emit, smooth=False, configs=(None,), m=1):
 
 
 def table(rows, config, m=1) -> str:
-    """Markdown for one config ("tensor_core": w4a16_gemm's route without the GEMV): per shape, us (weight+scale GB/s) and speedup
+    """Markdown for one config ("tensor_core": the route without the GEMV): per shape, us (weight+scale GB/s) and speedup
     over cuBLAS bf16 per format; then per-token sums."""
     config = config_key(config)
     get = {(r["shape"], r["fmt"]): r for r in rows if r["fmt"] == "bf16" or r["config"] == config}
@@ -225,7 +227,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smooth", action="store_true", help="time INT4 with pre_quant_scale (as AWQ checkpoints)")
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test of the script (interpreter, tiny shapes)")
     ap.add_argument("--configs", default="", help="more GEMV configs, BN,BK,W;... (checked, then timed)")
-    ap.add_argument("--m2", action="store_true", help="x of two rows: the two-row GEMV against w4_small_m / the tensor-core kernel")
+    ap.add_argument("--m2", action="store_true",
+                    help="x of two rows: the two-row GEMV against w4_small_m / the tensor-core kernel")
     args = ap.parse_args(argv)
     try:
         extra = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
