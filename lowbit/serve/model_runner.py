@@ -19,6 +19,11 @@ _TORCH = {np.int64: torch.int64, np.int32: torch.int32}
 # variant (~1 s, mid-run) the first step the longest table reaches 16 * k blocks.
 TABLE_WIDTH_MULTIPLE = 16
 UPLOAD_ALIGN_BYTES = 16
+# Prefills run before the pool is sized, besides the max_num_tokens one that measures the peak: two per row range of
+# the W4 GEMM configs (w4a16.choose_config: <= 16, <= 64, <= 512, more), a multiple of 16 and not (Triton specializes
+# integer arguments on divisibility by 16), so no request compiles a kernel for its prompt length (~1-2 s for a
+# 128- or 300-token prompt of an int4_awq engine, benchmarks.md run 41).
+WARM_UP_PREFILLS = (15, 16, 63, 64, 255, 256, 1023)
 
 
 class ModelRunner:
@@ -67,8 +72,9 @@ class ModelRunner:
 
     def _blocks_that_fit(self) -> int:
         if self.device.type == "cuda":
-            peak = warm_up_peak(self.model, self.attn_layers, self.config.max_num_tokens, self.config.block_size,
-                                self.kv_dtype, self.device)
+            for n in [n for n in WARM_UP_PREFILLS if n < self.config.max_num_tokens] + [self.config.max_num_tokens]:
+                peak = warm_up_peak(self.model, self.attn_layers, n, self.config.block_size, self.kv_dtype,
+                                    self.device)  # the smaller ones only build their kernels
             return gpu_blocks_that_fit(self.block_bytes, self.config.block_size, peak, self.device,
                                        self.config.kv_cache_fraction or 0.9, self.config.kv_cache_max_tokens)
         else:
