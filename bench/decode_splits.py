@@ -73,7 +73,7 @@ def main() -> int:
         kv = str(kv_dtype).split(".")[-1]
         for batch in batches:
             base = pa.decode_splits(batch, HK)
-            long = pa.decode_splits(batch, HK, pa.LONG_CONTEXT + 1)
+            long = pa.decode_splits(batch, HK, pa.long_context(batch) + 1)
             for s in sorted({min(MAX, base * m) for m in multiples} | set(fixed) | {long}):
                 q, cache, bt, lens = case(kv_dtype, batch, 300)
                 lens[1:] = torch.randint(1, 301, (batch - 1,), device="cuda")  # 1-token and partial-tile contexts
@@ -86,7 +86,8 @@ def main() -> int:
                 if err >= CHECK_TOL:
                     continue
                 row = {"kind": "time", "kv": kv, "batch": batch, "splits": s,
-                       "engine": ["short contexts"] * (s == base) + [f"over {pa.LONG_CONTEXT} keys"] * (s == long)}
+                       "engine": ["short contexts"] * (s == base)
+                       + [f"over {pa.long_context(batch)} keys"] * (s == long)}
                 for ctx in contexts:
                     q, cache, bt, lens = case(kv_dtype, batch, ctx)
                     row[ctx] = graph_us(lambda: pa.paged_decode(q, cache, bt, lens, D ** -0.5, one, one, num_splits=s))

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lowbit.bench_cli import int_pairs, load_script  # noqa: E402
-from lowbit.kernels.paged_attention import LONG_CONTEXT  # noqa: E402
+from lowbit.kernels.paged_attention import long_context  # noqa: E402
 from lowbit.serve.context import StepContext  # noqa: E402
 
 GROUPS = (  # (group, substrings of the kernel name), first match wins
@@ -91,7 +91,8 @@ def decode_step(engine, batch: int, context: int):
 
     def step():
         with torch.inference_mode():
-            g._forward(batch, batch in g.long_sizes and context > LONG_CONTEXT)  # the graph the engine would replay
+            long = batch in g.long_sizes and context > long_context(batch)
+            g._forward(batch, long)  # the graph the engine would replay
     return step
 
 

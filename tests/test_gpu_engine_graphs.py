@@ -54,9 +54,9 @@ def test_graph_sizes_and_padding():
 
 
 def test_long_context_graphs():
-    """A batch whose longest context is over LONG_CONTEXT replays the graph captured with long host-side contexts
-    (so its attention took decode_splits' long-context split count), where that count differs."""
-    from lowbit.kernels.paged_attention import LONG_CONTEXT, decode_splits
+    """A batch whose longest context is over long_context(graph size) replays the graph captured with long host-side
+    contexts (so its attention took decode_splits' long-context split count), where that count differs."""
+    from lowbit.kernels.paged_attention import LONG_CONTEXT, decode_splits, long_context
     from lowbit.serve.context import StepContext
 
     seen = []
@@ -72,9 +72,10 @@ def test_long_context_graphs():
     g = emulated(Fake(), 64, 3, 5, num_kv_heads=8)
     sizes = [1, 2, 4, 64]
     assert g.sizes == sizes
-    assert g.long_sizes == {s for s in sizes if decode_splits(s, 8, LONG_CONTEXT + 1) != decode_splits(s, 8)}
+    assert g.long_sizes == {s for s in sizes if decode_splits(s, 8, long_context(s) + 1) != decode_splits(s, 8)}
     assert g.long_sizes == {1, 2, 4}  # batch 64 x 8 KV heads fills the GPU without splits
-    for lens, bs, long in (([5, 10], 2, False), ([5, LONG_CONTEXT + 7], 2, True), ([LONG_CONTEXT + 7] * 40, 64, False)):
+    for lens, bs, long in (([5, 10], 2, False), ([5, LONG_CONTEXT + 7], 2, True), ([5, 2000], 2, False),
+                           ([5, 9, 1100], 4, True), ([5, 9, 1000], 4, False), ([LONG_CONTEXT + 7] * 40, 64, False)):
         b = len(lens)
         ctx = StepContext(positions=torch.zeros(b, dtype=torch.int64), slot_mapping=torch.zeros(b, dtype=torch.int64),
                           query_start_loc=torch.arange(b + 1, dtype=torch.int32),
@@ -82,7 +83,7 @@ def test_long_context_graphs():
                           block_tables=torch.zeros(b, 1, dtype=torch.int32), logits_indices=torch.arange(b),
                           is_decode=True, query_lens_cpu=[1] * b, context_lens_cpu=lens)
         g.run(torch.zeros(b, dtype=torch.int64), ctx)
-        assert seen[-1] == (LONG_CONTEXT + 1 if long else 1), (lens, seen[-1])
+        assert seen[-1] == (long_context(bs) + 1 if long else 1), (lens, seen[-1])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test")

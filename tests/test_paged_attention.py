@@ -102,12 +102,17 @@ def test_decode_idle_splits_match_reference(fp8, splits, monkeypatch):
 
 
 def test_decode_splits_policy():
-    """Shapes only, plus one bit of the longest context: more splits past LONG_CONTEXT, for batches that split at all
-    (Llama-8B's 8 KV heads; the figures behind the constants: paged_attention.py, benchmarks.md run 40)."""
+    """Shapes only, plus one bit of the longest context: more splits past long_context(batch), for batches that
+    split at all (Llama-8B's 8 KV heads; the figures behind the constants: paged_attention.py, benchmarks.md runs
+    40-41)."""
     long = pa.LONG_CONTEXT + 1
     assert [pa.decode_splits(b, 8) for b in (1, 4, 16, 32, 64)] == [16, 9, 3, 2, 1]
     assert [pa.decode_splits(b, 8, long) for b in (1, 4, 16, 32, 64)] == [64, 16, 4, 2, 1]
     assert pa.decode_splits(1, 8, pa.LONG_CONTEXT) == 16  # up to LONG_CONTEXT keys: as before
+    # the long count starts earlier for larger batches: past 3072 keys up to batch 3, 1024 up to 6, 512 above
+    assert [pa.decode_splits(b, 8, 2048) for b in (3, 4, 6, 8)] == [11, 16, 11, 8]
+    assert [pa.decode_splits(b, 8, 1024) for b in (4, 6, 8)] == [9, 6, 8]
+    assert pa.decode_splits(16, 8, 512) == 3 and pa.decode_splits(16, 8, 513) == 4
 
 
 def test_backend_picks_splits_from_the_longest_decode_context(monkeypatch):

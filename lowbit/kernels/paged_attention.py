@@ -76,7 +76,10 @@ TARGET_PROGRAMS = 264  # 2 per SM on the H200's 132 SMs
 #   batch 2 (16 -> 32)   8.2 / 9.7 / 11.0 / 53.6 -> 9.1 / 10.1 / 10.7 / 44.6
 #   batch 8 (5 -> 8)     15.6 / 23.2 / 29.7 / 180.8 -> 13.6 / 18.9 / 25.9 / 140.4
 # Below ~3072 keys the idle programs and the wider combine cost more than the extra splits gain at batch 1-2.
-LONG_CONTEXT = 3072
+# Larger batches gain earlier (run 41, short -> long, bf16 / FP8 KV): batch 4 at 1536 keys 11.5 / 9.7 -> 11.2 / 9.6
+# (at 1024 about even), batch 6 at 1536 15.1 / 13.2 -> 14.6 / 11.8, batch 8 at 1024 13.5 / 11.0 -> 12.4 / 10.0,
+# batch 16 at 512 13.4 / 11.4 -> 12.9 / 10.6; batch 3 loses up to 2048 (11.8 / 9.8 -> 13.0 / 10.5).
+LONG_CONTEXT = 3072  # up to batch 3; long_context(batch) for any batch
 MAX_SPLITS_LONG = 64
 TARGET_PROGRAMS_LONG = 512
 COMBINE_ROWS = 64  # partial rows the combine holds at once ([COMBINE_ROWS, D] fp32 over 4-8 warps)
@@ -398,11 +401,16 @@ def _combine_kernel(part_ptr, lse_ptr, ctx_ptr, os_ptr, out_ptr, num_splits, HQ:
 LOG2E = 1.4426950408889634
 
 
+def long_context(batch: int) -> int:
+    """Keys past which a batch of this many sequences takes decode_splits' long-context split count."""
+    return LONG_CONTEXT if batch <= 3 else 1024 if batch <= 6 else 512
+
+
 def decode_splits(batch: int, num_kv_heads: int, max_context: int = 0) -> int:
     """Context splits per (sequence, KV head): enough programs to fill the GPU; more of them for a small batch with
-    a context over LONG_CONTEXT (max_context: the longest in the batch). CUDA graphs key on the result."""
+    a context over long_context(batch) (max_context: the longest in the batch). CUDA graphs key on the result."""
     splits = max(1, min(MAX_SPLITS, cdiv(TARGET_PROGRAMS, batch * num_kv_heads)))
-    if max_context <= LONG_CONTEXT or splits == 1:
+    if max_context <= long_context(batch) or splits == 1:
         return splits
     return min(MAX_SPLITS_LONG, cdiv(TARGET_PROGRAMS_LONG, batch * num_kv_heads))
 

@@ -1,5 +1,5 @@
 """Decode steps replayed from CUDA graphs, one per batch size in a fixed set (a batch runs in the next size up), and a
-second one for the sizes whose decode attention splits contexts over LONG_CONTEXT keys more finely
+second one for the sizes whose decode attention splits contexts over long_context(size) keys more finely
 (paged_attention.decode_splits), replayed when the batch's longest context is over it.
 
 Each graph reads static input buffers (input ids, positions, slots, context lengths, block tables) and writes the
@@ -11,7 +11,7 @@ kernel's launch overlaps the one before it.
 import torch
 
 from lowbit.kernels._triton import all_kernels_early
-from lowbit.kernels.paged_attention import LONG_CONTEXT, decode_splits
+from lowbit.kernels.paged_attention import decode_splits, long_context
 from lowbit.serve.context import StepContext
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832,
@@ -27,7 +27,7 @@ class DecodeGraphs:
         self.model = model
         self.sizes = sorted({s for s in sizes if s < max_batch_size} | {max_batch_size})
         self.long_sizes = {s for s in self.sizes
-                           if decode_splits(s, num_kv_heads, LONG_CONTEXT + 1) != decode_splits(s, num_kv_heads)}
+                           if decode_splits(s, num_kv_heads, long_context(s) + 1) != decode_splits(s, num_kv_heads)}
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -45,7 +45,7 @@ class DecodeGraphs:
                            query_start_loc=self.query_start_loc[:bs + 1], context_lens=self.context_lens[:bs],
                            block_tables=self.block_tables[:bs], logits_indices=self.query_start_loc[:bs].long(),
                            is_decode=True, query_lens_cpu=[1] * bs,
-                           context_lens_cpu=[LONG_CONTEXT + 1 if long else 1] * bs)
+                           context_lens_cpu=[long_context(bs) + 1 if long else 1] * bs)
 
     def _forward(self, bs: int, long: bool) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self._context(bs, long))
@@ -82,6 +82,6 @@ class DecodeGraphs:
         self.context_lens[:b].copy_(ctx.context_lens)
         self.context_lens[b:bs].fill_(1)
         self.block_tables[:b, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
-        key = (bs, bs in self.long_sizes and max(ctx.context_lens_cpu) > LONG_CONTEXT)
+        key = (bs, bs in self.long_sizes and max(ctx.context_lens_cpu) > long_context(bs))
         self.graphs[key].replay()
         return self.logits[key][:b]
