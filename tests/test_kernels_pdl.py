@@ -63,16 +63,22 @@ class _Recorder:
         return lambda *args, **kwargs: setattr(self, "kwargs", kwargs)
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-@pytest.mark.parametrize("early", [True, False])
-def test_launch_options(monkeypatch, enabled, early):
-    """Compiled (not interpreted) launches get PDL = pdl_enabled(), and the launch attribute only when early."""
+def _compiled_kernel(monkeypatch, early: bool, pdl: bool):
+    """An empty kernel whose compiled launches are recorded (no GPU), with pdl_enabled() forced."""
     def fn(x_ptr, PDL):
         pass
     k = _triton.kernel(fn, launch_early=early)
     rec = k._built["jit"] = _Recorder()
     monkeypatch.setattr(_triton, "interpreting", lambda: False)
-    monkeypatch.setattr(_triton, "pdl_enabled", lambda: enabled)
+    monkeypatch.setattr(_triton, "pdl_enabled", lambda: pdl)
+    return k, rec
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("early", [True, False])
+def test_launch_options(monkeypatch, enabled, early):
+    """Compiled (not interpreted) launches get PDL = pdl_enabled(), and the launch attribute only when early."""
+    k, rec = _compiled_kernel(monkeypatch, early, enabled)
     k[(1,)](0, num_warps=2)
     expected = {"PDL": enabled, "num_warps": 2, **({"launch_pdl": True} if enabled and early else {})}
     assert rec.kwargs == expected
@@ -82,12 +88,7 @@ def test_launch_options(monkeypatch, enabled, early):
 def test_all_kernels_early(monkeypatch, early):
     """Inside all_kernels_early() every kernel gets the launch attribute; outside it (and after an error inside it)
     only early_kernels do; all_kernels_early(False) changes nothing."""
-    def fn(x_ptr, PDL):
-        pass
-    k = _triton.kernel(fn, launch_early=early)
-    rec = k._built["jit"] = _Recorder()
-    monkeypatch.setattr(_triton, "interpreting", lambda: False)
-    monkeypatch.setattr(_triton, "pdl_enabled", lambda: True)
+    k, rec = _compiled_kernel(monkeypatch, early, pdl=True)
     seen = []
     with pytest.raises(RuntimeError):
         with _triton.all_kernels_early():
