@@ -4,8 +4,7 @@ per-tensor scales) against scaled_gemm_ref, timed against the tensor-core route 
 (w8a8.tensor_core_linear: fp8_small_m or torch._scaled_mm; the engine runs fp8_gemv on layers up to
 w8a8.FP8_GEMV_MAX_WEIGHTS); lm_head stays bf16 in FP8 checkpoints and is left out.
 
-`python3 bench/dense_gemv_bench.py [--fp8 | --m2] [--configs "BN,BK,W;..."] [--reps N] [--json FILE]`
-(--m2: bf16 with two x rows, against cuBLAS at M = 2; the engine runs the GEMV at one row only so far)
+`python3 bench/dense_gemv_bench.py [--fp8] [--configs "BN,BK,W;..."] [--reps N] [--json FILE]`
 Configs: gemv_config's choice per shape (None), then --configs.
 1. checks every config against x.float() @ W.float().T rounded to bf16 on fresh random inputs (the four linears,
    ragged K and odd N with bias, fp16): rel err = ||out - ref|| / ||ref||, FAIL at TOL or more (exit 1);
@@ -52,20 +51,20 @@ def check_fp8(config) -> list[dict]:
     return rows
 
 
-def check(config, m=1) -> list[dict]:
+def check(config) -> list[dict]:
     rows = []
     for k, n, dtype, bias in CHECKS:
-        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        x = torch.randn(1, k, device="cuda", dtype=dtype)
         w = (torch.randn(n, k, device="cuda") * 0.02).to(dtype)
         b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
         ref = (x.float() @ w.float().T + (b.float() if bias else 0)).to(dtype)
         err = rel_err(dense_gemv.dense_gemv(x, w, b, config), ref)
-        rows.append({"kind": "check", "M": m, "config": config, "K": k, "N": n, "dtype": str(dtype)[6:], "bias": bias,
+        rows.append({"kind": "check", "config": config, "K": k, "N": n, "dtype": str(dtype)[6:], "bias": bias,
                      "rel_err": round(err, 6), "ok": err < TOL})
     return rows
 
 
-def time_shape(shape, k, n, configs, fp8: bool, reps: int, w4, m=1) -> dict:
+def time_shape(shape, k, n, configs, fp8: bool, reps: int, w4) -> dict:
     """us per call of the baseline and of each config, over enough weight copies to stream from HBM."""
     if fp8:
         x = (torch.randn(1, k, device="cuda") * 20).to(torch.float8_e4m3fn)
@@ -74,7 +73,7 @@ def time_shape(shape, k, n, configs, fp8: bool, reps: int, w4, m=1) -> dict:
         baseline = lambda w: w8a8.tensor_core_linear(x, w, sb, sa, None, torch.bfloat16)  # noqa: E731
         gemv = lambda w, c: dense_gemv.fp8_gemv(x, w, sa, sb, None, torch.bfloat16, c)  # noqa: E731
     else:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(w4.copies_for(2 * n * k))]
         baseline = lambda w: F.linear(x, w)  # noqa: E731
         gemv = lambda w, c: dense_gemv.dense_gemv(x, w, None, c)  # noqa: E731
@@ -103,11 +102,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="", help="more configs BN,BK,W;... beside gemv_config's choice")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--fp8", action="store_true", help="the FP8 GEMV against the engine's FP8 route at M = 1")
-    ap.add_argument("--m2", action="store_true", help="bf16 with two x rows, against cuBLAS at M = 2")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    if args.fp8 and args.m2:
-        ap.error("--fp8 and --m2 exclude each other (the FP8 GEMV takes one row)")
     configs = [None] + [parse_config(ap, c, 16 // (1 if args.fp8 else 2)) for c in args.configs.split(";") if c.strip()]
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
@@ -117,12 +113,12 @@ def main(argv=None) -> int:
     failed = 0
     shapes = SHAPES[:4] if args.fp8 else SHAPES
     for config in configs:
-        for r in (check_fp8(config) if args.fp8 else check(config, 2 if args.m2 else 1)):
+        for r in (check_fp8(config) if args.fp8 else check(config)):
             failed += not r["ok"]
             print(json.dumps(r), file=out)
     times, elem = {}, 1 if args.fp8 else 2
     for shape, k, n in shapes:
-        times.update(time_shape(shape, k, n, configs, args.fp8, args.reps, w4, 2 if args.m2 else 1))
+        times.update(time_shape(shape, k, n, configs, args.fp8, args.reps, w4))
         for key in ("baseline", *configs):
             print(json.dumps({"kind": "time", "shape": shape, "K": k, "N": n, "fmt": "fp8" if args.fp8 else "bf16",
                               "op": key or "gemv_config", "us": round(times[shape, key], 2),

@@ -11,7 +11,7 @@
 #   bash bench/h200_session.sh compiles # 768 x 1000/1000: slow steps and the Triton kernels first built mid-run
 #   bash bench/h200_session.sh pdl      # decode-step graph replays of every format, PDL on and off (LOWBIT_PDL=0)
 #   bash bench/h200_session.sh splits   # decode attention at batch 1-16: the context-split counts, short and long
-#   bash bench/h200_session.sh dense    # the bf16 GEMV (one row; two rows, not adopted), its FP8 variant (small layers)
+#   bash bench/h200_session.sh dense    # the batch-1 bf16 GEMV and its FP8 variant (routed for small layers)
 #   bash bench/h200_session.sh m2       # the W4 GEMV on two x rows vs w4_small_m / tensor cores; batch-2 decode steps
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
@@ -118,8 +118,6 @@ dense)
         --json "$OUT/dense_gemv.json" 2>&1 | grep -E '^\||failed'
     timeout 180 python3 bench/dense_gemv_bench.py --fp8 --configs "8,2048,4;4,2048,4;4,1024,2;8,1024,2" \
         --json "$OUT/fp8_gemv.json" 2>&1 | grep -E '^\||failed'
-    timeout 120 python3 bench/dense_gemv_bench.py --m2 --configs "8,1024,4;4,1024,4" \
-        --json "$OUT/dense_gemv_m2.json" 2>&1 | grep -E '^\||failed'
     ;;
 m2)
     part "W4 GEMV with two x rows (GEMV_CONFIG_M2 and others) vs the route without it (w4_small_m / tensor-core kernel)"

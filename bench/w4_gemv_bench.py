@@ -3,8 +3,8 @@
 `python3 bench/w4_gemv_bench.py [--smooth] [--m2] [--json FILE] [--reps N] [--no-checks] [--configs "BN,BK,W;..."]`
 (from the repo root; ~30-60 s on an H200 per config, mostly Triton compiles; `--dry-run`: CPU smoke test of the
 script under the interpreter, tiny shapes). --m2: x of two rows (GEMV_CONFIG_M2 per format), also timed against
-the route without the GEMV (w4_small_m / the tensor-core kernel). --configs: other GEMV configs (w4_gemv.GEMV_CONFIG's fields), each
-checked and timed after the default:
+the route without the GEMV (w4a16.tensor_core_gemm: w4_small_m / the tensor-core kernel). --configs: other GEMV
+configs (w4_gemv.GEMV_CONFIG's fields), each checked and timed after the default:
 1. checks the GEMV (w4_gemv.GEMV_CONFIG) against the torch reference w4a16_gemm_ref (fp32 math) on fresh random
    inputs on the GPU: INT4 (group 128, plus 16/32 on ragged shapes) and NVFP4, the four Llama-3.1-8B shapes, ragged
    K (padded to 128, not a multiple of BLOCK_K) and odd N with pre_quant_scale and bias, bf16 and fp16 x, and CUDA
@@ -34,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without pip install -e
 
 from lowbit.bench_cli import load_script  # noqa: E402
-from lowbit.kernels import w4_gemv, w4_small_m, w4a16  # noqa: E402
+from lowbit.kernels import w4_gemv, w4a16  # noqa: E402
 
 DEV = "cpu" if DRY_RUN else "cuda"
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
@@ -93,14 +93,6 @@ def check_cases():
 
 def default_config(m: int, fmt: str):
     return w4_gemv.GEMV_CONFIG if m == 1 else w4_gemv.GEMV_CONFIG_M2[fmt]
-
-
-def tensor_core_route(x, w):
-    """What w4a16_gemm runs past the GEMV's rows: w4_small_m where it takes the shape, else the tensor-core kernel."""
-    m, n, kp = x.shape[0], w.out_features, w.qweight.shape[1] * 8
-    if w4_small_m.takes(m, n, kp, w.fmt):
-        return w4_small_m.w4_small_m(x, w)
-    return w4a16.w4a16_gemm(x, w, config=w4a16.choose_config(m, n, kp, w.fmt))
 
 
 def config_key(config):
@@ -183,7 +175,7 @@ def run_timing(reps, emit, smooth=False, configs=(None,), m=1):
                   for _ in range(1 if DRY_RUN else copies_for(nbytes))]
             ops = [("w4_gemv", c, lambda w, c=c: gemv(x, w, config=c)) for c in configs]
             if m > 1:
-                ops.append(("w4a16_gemm", "tensor_core", lambda w: tensor_core_route(x, w)))
+                ops.append(("w4a16_gemm", "tensor_core", lambda w: w4a16.tensor_core_gemm(x, w)))
             for op, config, fn in ops:
                 us = graph_time_us([lambda w=w: fn(w) for w in ws], reps)
                 rows.append({"kind": "time", "M": m, "shape": shape, "K": k, "N": n, "fmt": fmt, "op": op,
@@ -197,8 +189,8 @@ def run_timing(reps, emit, smooth=False, configs=(None,), m=1):
 
 
 def table(rows, config, m=1) -> str:
-    """Markdown for one config ("tensor_core": the route without the GEMV): per shape, us (weight+scale GB/s) and speedup
-    over cuBLAS bf16 per format; then per-token sums."""
+    """Markdown for one config ("tensor_core": the route without the GEMV): per shape, us (weight+scale GB/s) and
+    speedup over cuBLAS bf16 per format; then per-token sums."""
     config = config_key(config)
     get = {(r["shape"], r["fmt"]): r for r in rows if r["fmt"] == "bf16" or r["config"] == config}
     out = [f"\n### M = {m}, GEMV config (BLOCK_N, BLOCK_K, num_warps) = {config}\n",

@@ -7,12 +7,13 @@ elements per row; chunk c goes to thread c mod (32 x num_warps), and a thread ho
 as lowbit.kernels.w4_gemv's words). The next step's weights are loaded while this step is computed; the first step
 is loaded before the PDL wait (lowbit.kernels._triton), so its weights stream while the kernel before finishes.
 Per weight: one conversion to fp32 and one FMA. bf16 is bound by HBM (3.4-4.4 TB/s on the H200); FP8's conversion
-takes ~5 instructions per weight offline, so it may be bound by issue (docs/kernels_notes.md).
+takes ~5 instructions per weight offline, so it may be bound by issue (docs/kernels_notes.md). A two-row form lost
+to cuBLAS at M = 2 (benchmarks.md run 41) and was removed.
 """
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels._triton import cdiv, early_kernel, helper, on_gpu, tl, use_triton, wait_for_producers
+from lowbit.kernels._triton import cdiv, early_kernel, on_gpu, tl, use_triton, wait_for_producers
 
 STEP_BYTES, WARPS = 2048, 4  # per row and K step: 1024 bf16 or 2048 FP8 elements
 MAX_PROGRAMS_AT_4_ROWS = 1024
@@ -36,10 +37,9 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def dense_gemv(x, weight, bias=None, config=None):
-    """x [M, K] bf16/fp16, M = 1 or 2 (two rows share each weight load and conversion), weight [N, K] of x's dtype
-    -> [M, N] in x's dtype (fp32 sums). config (BLOCK_N, BLOCK_K, num_warps), default gemv_config(N); BLOCK_K / 8 a
-    multiple of 32 x num_warps. dense_linear runs one row only: two rows are not timed yet (dense_gemv_bench --m2)."""
-    assert x.shape[0] in (1, 2) and weight.dtype == x.dtype and weight.shape[1] == x.shape[1], (x.shape, weight.shape)
+    """x [1, K] bf16/fp16, weight [N, K] of x's dtype -> [1, N] in x's dtype (fp32 sums).
+    config (BLOCK_N, BLOCK_K, num_warps), default gemv_config(N); BLOCK_K / 8 a multiple of 32 x num_warps."""
+    assert x.shape[0] == 1 and weight.dtype == x.dtype and weight.shape[1] == x.shape[1], (x.shape, weight.shape)
     return _launch(x, weight, None, None, bias, x.dtype, config)
 
 
@@ -60,21 +60,21 @@ def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config):
     x = x.contiguous()
     weight = weight.contiguous()
     N, K = weight.shape
-    out = torch.empty(x.shape[0], N, dtype=out_dtype, device=x.device)
+    out = torch.empty(1, N, dtype=out_dtype, device=x.device)
     scaled = scale_a is not None
     _dense_gemv_kernel[(cdiv(N, block_n),)](
         x, weight, scale_a if scaled else out, scale_b if scaled else out, bias if bias is not None else out, out, N,
         K, HAS_BIAS=bias is not None, SCALED=scaled, ROW_SCALES=scaled and scale_b.numel() > 1, VEC=vec,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, M2=x.shape[0] == 2, num_warps=warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps)
     return out
 
 
 @early_kernel
 def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, HAS_BIAS: tl.constexpr,
                        SCALED: tl.constexpr, ROW_SCALES: tl.constexpr, VEC: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, M2: tl.constexpr, PDL: tl.constexpr):
-    """out[m, n] for BLOCK_N rows n (clamped for the loads, masked at the store), m = 0 (and 1, M2: x [2, K]).
-    EVEN_K: BLOCK_K | K. SCALED: times sa[0] and sb[0] (or sb[n], ROW_SCALES)."""
+                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """out[0, n] for BLOCK_N rows n (clamped for the loads, masked at the store). EVEN_K: BLOCK_K | K. SCALED: times
+    sa[0] and sb[0] (or sb[n], ROW_SCALES)."""
     C: tl.constexpr = BLOCK_K // VEC
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,7 +83,6 @@ def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, HA
     kk = (VEC * cc)[:, None, None] + tl.arange(0, VEC)[None, None, :]  # [C, 1, VEC]: k of each element in the step
     w_ptrs = w_ptr + n_rows[None, :, None] * K + kk  # [C, BN, VEC]
     acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
-    acc2 = acc  # x's second row (M2)
     n_steps = tl.cdiv(K, BLOCK_K)
     if EVEN_K:
         w = tl.load(w_ptrs, cache_modifier=".cg")
@@ -93,33 +92,14 @@ def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, HA
     for kb in range(0, n_steps):
         k0 = kb * BLOCK_K
         k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
-        if EVEN_K:  # row 0's x loaded here, not by _x_step: that order keeps the timed one-row SASS (238 loop ops)
+        if EVEN_K:
             w_next = tl.load(w_ptrs + k_next, cache_modifier=".cg")
             xs = tl.load(x_ptr + k0 + kk)
         else:
             w_next = tl.load(w_ptrs + k_next, mask=k_next + kk < K, other=0.0, cache_modifier=".cg")
             xs = tl.load(x_ptr + k0 + kk, mask=k0 + kk < K, other=0.0)
         acc += tl.sum(w.to(tl.float32) * xs.to(tl.float32), axis=2)
-        if M2:  # the same converted weights (one conversion per weight for both rows)
-            acc2 += tl.sum(w.to(tl.float32) * _x_step(x_ptr + K, k0 + kk, K, EVEN_K), axis=2)
         w = w_next
-    _store_row(acc, out_ptr, sa_ptr, sb_ptr, bias_ptr, offs_n, n_rows, N, SCALED, ROW_SCALES, HAS_BIAS)
-    if M2:
-        _store_row(acc2, out_ptr + N, sa_ptr, sb_ptr, bias_ptr, offs_n, n_rows, N, SCALED, ROW_SCALES, HAS_BIAS)
-
-
-@helper
-def _x_step(x_ptr, k, K, EVEN_K: tl.constexpr):
-    """x at the step's k [C, 1, VEC] (0 past K), as fp32."""
-    if EVEN_K:
-        return tl.load(x_ptr + k).to(tl.float32)
-    return tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-
-
-@helper
-def _store_row(acc, out_ptr, sa_ptr, sb_ptr, bias_ptr, offs_n, n_rows, N, SCALED: tl.constexpr,
-               ROW_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """One output row: the chunks' sums [C, BN] reduced, scaled, biased, stored at out_ptr + offs_n."""
     out = tl.sum(acc, axis=0)
     if SCALED:
         out = out * tl.load(sa_ptr)

@@ -263,11 +263,17 @@ def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
     tensor-core kernel below."""
     if not use_triton(x):
         return w4a16_gemm_ref(x, w, bias)
+    if config is None and x.shape[0] <= w4_gemv.GEMV_MAX_M:
+        return w4_gemv.w4_gemv(x, w, bias)
+    return tensor_core_gemm(x, w, bias, config)
+
+
+def tensor_core_gemm(x, w: W4Weight, bias=None, config=None):
+    """w4a16_gemm without the GEMV: w4_small_m where it takes the shape, else (or with an explicit config) the
+    tensor-core kernel below."""
     x = x.contiguous()
     M, K = x.shape
     N, KP = w.out_features, w.qweight.shape[1] * 8
-    if config is None and M <= w4_gemv.GEMV_MAX_M:
-        return w4_gemv.w4_gemv(x, w, bias)
     if config is None and w4_small_m.takes(M, N, KP, w.fmt):
         return w4_small_m.w4_small_m(x, w, bias)
     block_m, block_n, split, warps, stages = config or choose_config(M, N, KP, w.fmt)

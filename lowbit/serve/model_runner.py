@@ -72,9 +72,10 @@ class ModelRunner:
 
     def _blocks_that_fit(self) -> int:
         if self.device.type == "cuda":
-            for n in [n for n in WARM_UP_PREFILLS if n < self.config.max_num_tokens] + [self.config.max_num_tokens]:
-                peak = warm_up_peak(self.model, self.attn_layers, n, self.config.block_size, self.kv_dtype,
-                                    self.device)  # the smaller ones only build their kernels
+            for n in (n for n in WARM_UP_PREFILLS if n < self.config.max_num_tokens):  # they only build kernels
+                warm_up_peak(self.model, self.attn_layers, n, self.config.block_size, self.kv_dtype, self.device)
+            peak = warm_up_peak(self.model, self.attn_layers, self.config.max_num_tokens, self.config.block_size,
+                                self.kv_dtype, self.device)
             return gpu_blocks_that_fit(self.block_bytes, self.config.block_size, peak, self.device,
                                        self.config.kv_cache_fraction or 0.9, self.config.kv_cache_max_tokens)
         else:
