@@ -147,7 +147,7 @@ def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0
     engine_module.InFlight.results = timed(in_flight_results, totals, "wait")
     schedule, launch = engine.scheduler.schedule, engine._launch
     graphs = engine.runner.graphs  # None on the CPU (a plumbing check only)
-    prepare, replay, sample = engine.runner.prepare, graphs and graphs.run, engine.sampler.sample
+    host_inputs, replay, sample = engine.runner.host_inputs, graphs and graphs.run, engine.sampler.sample
     engine.scheduler.schedule = timed(schedule, totals, "schedule")
     engine._launch = timed(launch, totals, "launch")  # of which:
     scheduled, spans, step_no = [], {}, [0]  # with slow_ms: per step what it scheduled, CUDA events around its launch
@@ -155,9 +155,9 @@ def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0
         engine.scheduler.schedule = recording(engine.scheduler.schedule, scheduled)
         if engine.runner.device.type == "cuda":
             engine._launch = evented(engine._launch, spans, step_no)
-    engine.runner.prepare = timed(prepare, totals, "launch.prepare")
+    engine.runner.host_inputs = timed(host_inputs, totals, "launch.host_inputs")
     if graphs:
-        graphs.run = timed(replay, totals, "launch.graph_replay")
+        graphs.run = timed(replay, totals, "launch.graph_replay")  # with the inputs' upload and load
     engine.sampler.sample = timed(sample, totals, "launch.sample")
     compiled = []
     unwatch = watch_compiles(step_no, compiled) if compiles else None
@@ -191,7 +191,7 @@ def run(engine, requests: int, isl: int, osl: int, seed: int, slow_ms: float = 0
     finally:
         engine_module.InFlight.results = in_flight_results
         engine.scheduler.schedule, engine._launch = schedule, launch
-        engine.runner.prepare, engine.sampler.sample = prepare, sample
+        engine.runner.host_inputs, engine.sampler.sample = host_inputs, sample
         if graphs:
             graphs.run = replay
         if unwatch:

@@ -1,11 +1,13 @@
 """The GPU-only pieces, checked on the CPU: decode through DecodeGraphs' static, padded buffers (the replay emulated
 by running the forward on those buffers) and the KV pool arithmetic (free memory faked)."""
+import numpy as np
 import pytest
 import torch
 
 from lowbit.bench_cli import load_script
 from lowbit.serve import kv_pool
 from lowbit.serve.cuda_graphs import DecodeGraphs
+from lowbit.serve.model_runner import HostInputs, PendingTokens
 
 
 class EmulatedGraph:
@@ -26,6 +28,30 @@ def emulated(model, max_batch_size, max_blocks, vocab, num_kv_heads=2):
     return g
 
 
+def host_inputs(ids, slots, lens, tables) -> HostInputs:
+    """A decode step's HostInputs (positions: context length - 1; pending sources: those of the PendingTokens)."""
+    b = len(ids)
+    lens = np.array(lens, np.int32)
+    return HostInputs(np.array(ids, np.int64), lens.astype(np.int64) - 1, np.array(slots, np.int64),
+                      np.arange(b), np.array([-1, 1, -1][:b] + [-1] * (b - 3), np.int64), np.arange(b + 1, dtype=np.int32),
+                      lens, np.array(tables, np.int32), True, [1] * b, lens.tolist())
+
+
+def upload(arrays):
+    return [torch.from_numpy(a) for a in arrays]
+
+
+def counted(graphs: DecodeGraphs) -> list[int]:
+    """[number of DecodeGraphs.run calls so far], kept up to date."""
+    calls, run = [0], graphs.run
+
+    def counting(*args):
+        calls[0] += 1
+        return run(*args)
+    graphs.run = counting
+    return calls
+
+
 def test_graph_sizes_and_padding():
     seen = []
 
@@ -39,15 +65,10 @@ def test_graph_sizes_and_padding():
 
     g = emulated(Fake(), 6, 3, 5)
     assert g.sizes == [1, 2, 4, 6]
-    from lowbit.serve.context import StepContext
-    ctx = StepContext(positions=torch.tensor([4, 9, 1]), slot_mapping=torch.tensor([20, 41, 7]),
-                      query_start_loc=torch.arange(4, dtype=torch.int32),
-                      context_lens=torch.tensor([5, 10, 2], dtype=torch.int32),
-                      block_tables=torch.tensor([[1], [2], [0]], dtype=torch.int32), logits_indices=torch.arange(3),
-                      is_decode=True, query_lens_cpu=[1] * 3, context_lens_cpu=[5, 10, 2])
-    logits = g.run(torch.tensor([11, 12, 13]), ctx)
+    host = host_inputs(ids=[11, 12, 13], slots=[20, 41, 7], lens=[5, 10, 2], tables=[[1], [2], [0]])
+    logits = g.run(host, upload, PendingTokens(torch.tensor([70, 71]), np.array([-1, 1, -1])))
     ids, slots, lens, tables = seen[-1]
-    assert ids[:3].tolist() == [11, 12, 13] and len(ids) == 4  # batch 3 runs in the graph of 4
+    assert ids[:3].tolist() == [11, 71, 13] and len(ids) == 4  # batch 3 runs in the graph of 4; 71 pending
     assert slots.tolist() == [20, 41, 7, -1] and lens.tolist() == [5, 10, 2, 1]
     assert tables[:3, 0].tolist() == [1, 2, 0]
     assert logits.shape == (3, 5) and logits[:, 0].tolist() == [0, 1, 2]
@@ -57,7 +78,6 @@ def test_long_context_graphs():
     """A batch whose longest context is over long_context(graph size) replays the graph captured with long host-side
     contexts (so its attention took decode_splits' long-context split count), where that count differs."""
     from lowbit.kernels.paged_attention import LONG_CONTEXT, decode_splits, long_context
-    from lowbit.serve.context import StepContext
 
     seen = []
 
@@ -77,12 +97,7 @@ def test_long_context_graphs():
     for lens, bs, long in (([5, 10], 2, False), ([5, LONG_CONTEXT + 7], 2, True), ([5, 2000], 2, False),
                            ([5, 9, 1100], 4, True), ([5, 9, 1000], 4, False), ([LONG_CONTEXT + 7] * 40, 64, False)):
         b = len(lens)
-        ctx = StepContext(positions=torch.zeros(b, dtype=torch.int64), slot_mapping=torch.zeros(b, dtype=torch.int64),
-                          query_start_loc=torch.arange(b + 1, dtype=torch.int32),
-                          context_lens=torch.tensor(lens, dtype=torch.int32),
-                          block_tables=torch.zeros(b, 1, dtype=torch.int32), logits_indices=torch.arange(b),
-                          is_decode=True, query_lens_cpu=[1] * b, context_lens_cpu=lens)
-        g.run(torch.zeros(b, dtype=torch.int64), ctx)
+        g.run(host_inputs(ids=[0] * b, slots=[0] * b, lens=lens, tables=[[0]] * b), upload, None)
         assert seen[-1] == (long_context(bs) + 1 if long else 1), (lens, seen[-1])
 
 
@@ -96,18 +111,23 @@ def test_engine_decode_through_padded_graph_buffers_matches_eager():
         pytest.skip("needs TRITON_INTERPRET=1 before triton's import")
     bench = load_script("serve_bench.py")
     args = bench.parse(["--tiny", "--device", "cpu"])
-    engine = bench.build_engine(args, "bf16", enable_prefix_caching=False, max_batch_size=4, num_kv_blocks=64)
+    engine = bench.build_engine(args, "bf16", enable_prefix_caching=False, max_batch_size=4, num_kv_blocks=64,
+                                overlap_steps=True)  # decode inputs merge the tokens still on the device
     prompts = [bench.random_prompts(1, n, 512, seed=n)[0] for n in (3, 21, 40)]  # 3 sequences: padded to 4
     saved = attention._backend
     try:
         attention.set_attention_backend(TritonAttentionBackend())
-        engine.runner.graphs = emulated(engine.runner.model, 4, 8, 512)
-        tok_g, logits_g, _ = bench.greedy_with_logits(engine, prompts, 5)
+        engine.runner.graphs = emulated(engine.runner.model, 4, 16, 512)
+        runs = counted(engine.runner.graphs)
+        tok_g, logits_g, _ = bench.greedy_with_logits(engine, prompts, 5)  # steps not overlapped
+        overlapped_g, graph_runs = bench.greedy(engine, prompts, 5), runs[0]
         engine.runner.graphs = None
         tok_e, logits_e, _ = bench.greedy_with_logits(engine, prompts, 5)
+        overlapped_e = bench.greedy(engine, prompts, 5)
     finally:
         attention.set_attention_backend(saved)
-    assert tok_g == tok_e
+    assert tok_g == tok_e == overlapped_g == overlapped_e
+    assert graph_runs == 8  # 4 decode steps per run
     for a, b in zip(logits_g, logits_e):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 

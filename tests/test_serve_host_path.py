@@ -225,14 +225,14 @@ def test_serve_rejects_a_non_boolean_overlap_setting_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 5])
 def test_uploaded_views_start_on_16_byte_boundaries(batch):
-    """The step's int32 arrays (query_start_loc [B + 1], context lens [B], block tables) share one upload; each view
-    starts on a 16-byte boundary whatever B is, so Triton's pointer-alignment specialization does not change with
-    the batch (a new kernel variant compiled mid-serving, ~1 s)."""
+    """A step's arrays (int64 ids [B], int32 query_start_loc [B + 1], context lens [B], block tables) share one
+    upload; each view starts on a 16-byte boundary whatever B is, so Triton's pointer-alignment specialization does
+    not change with the batch (a new kernel variant compiled mid-serving, ~1 s)."""
     engine = tiny_engine()
-    qsl, lens = np.arange(batch + 1), np.arange(batch) + 7
-    tables = np.arange(batch * 16).reshape(batch, 16)
-    views = engine.runner._upload([qsl, lens, tables], np.int32)
+    arrays = [np.arange(batch) + 2**40, np.arange(batch + 1, dtype=np.int32), np.arange(batch, dtype=np.int32) + 7,
+              np.arange(batch * 16, dtype=np.int32).reshape(batch, 16)]
+    views = engine.runner.upload(arrays)
     base = views[0].data_ptr()
-    assert [(v.data_ptr() - base) % 16 for v in views] == [0, 0, 0]
-    for v, a in zip(views, (qsl, lens, tables)):
-        assert v.dtype == torch.int32 and np.array_equal(v.numpy(), a)
+    assert [(v.data_ptr() - base) % 16 for v in views] == [0, 0, 0, 0]
+    for v, a in zip(views, arrays):
+        assert v.dtype == (torch.int64 if a.dtype == np.int64 else torch.int32) and np.array_equal(v.numpy(), a)

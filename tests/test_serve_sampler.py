@@ -77,3 +77,32 @@ def test_triton_noise_is_exponential_and_seeded():
     assert torch.equal(e, exponential_noise_triton(seeds, 20000)) and torch.equal(e[0], e[2])
     assert not torch.equal(e[0], e[1])
     assert abs(e.mean().item() - 1) < 0.03 and abs((e > 1).float().mean().item() - math.exp(-1)) < 0.01
+
+
+def _argmax_cases(device):
+    """Rows whose argmax is the first of tied maxima (in one chunk, across chunks), in the last ragged chunk, a
+    constant row, one with -inf (truncated tokens), and random rows; vocab sizes around the kernel's 2048-column
+    chunks."""
+    g = torch.Generator().manual_seed(1)
+    cases = []
+    for vocab in (5, 2048, 2049, 6000, 128256):
+        x = torch.randn(6, vocab, generator=g)
+        x[0, vocab // 2] = x[0, vocab - 1] = 50.0  # tie across chunks (for vocab > 2048): the first wins
+        x[1] = -2.0  # all equal: column 0
+        x[2, -1] = 60.0  # the last column of a ragged last chunk
+        x[3, : vocab // 2] = float("-inf")
+        cases.append(x.to(device))
+    return cases
+
+
+@pytest.mark.skipif(not HAS_TRITON or not (interpreting() or torch.cuda.is_available()),
+                    reason="needs the Triton interpreter or a GPU")
+def test_triton_argmax_is_torch_argmax_first_of_ties():
+    from lowbit.kernels.sampling import argmax_rows_triton
+
+    device = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+    for x in _argmax_cases(device):
+        got = argmax_rows_triton(x)
+        assert got.dtype == torch.int64 and got.tolist() == x.argmax(-1).tolist(), x.shape
+    x = _argmax_cases(device)[-1][::2]  # every other row: a row stride of twice the vocabulary
+    assert argmax_rows_triton(x).tolist() == x.argmax(-1).tolist()

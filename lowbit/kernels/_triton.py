@@ -80,12 +80,14 @@ def all_kernels_early(on: bool = True):
 
 class kernel:
     """A lazily built Triton kernel: `kernel(fn)[grid](*args)` compiles or interprets fn on first use, passing its
-    PDL argument from pdl_enabled(); launch_early: also launched as a programmatic dependent."""
+    PDL argument from pdl_enabled(); launch_early: also launched as a programmatic dependent; do_not_specialize:
+    parameter names Triton compiles for any value (by default it builds variants for 1 and multiples of 16)."""
 
-    def __init__(self, fn, launch_early: bool = False):
+    def __init__(self, fn, launch_early: bool = False, do_not_specialize: tuple[str, ...] = ()):
         assert "PDL" in inspect.signature(fn).parameters, f"{fn.__name__}: every kernel takes PDL (module docstring)"
         self.fn = fn
         self.launch_early = launch_early
+        self.do_not_specialize = do_not_specialize  # integer arguments compiled for any value (not for 1, 16k)
         self._built = {}
 
     def __getitem__(self, grid):
@@ -95,7 +97,7 @@ class kernel:
                 from triton.runtime.interpreter import InterpretedFunction
                 self._built[mode] = InterpretedFunction(self.fn)
             else:
-                self._built[mode] = triton.jit(self.fn)
+                self._built[mode] = triton.jit(self.fn, do_not_specialize=self.do_not_specialize)
         launch = self._built[mode][grid]
         pdl = mode == "jit" and pdl_enabled()
         options = {"launch_pdl": True} if pdl and (self.launch_early or _ALL_EARLY) else {}

@@ -2,15 +2,17 @@
 second one for the sizes whose decode attention splits contexts over long_context(size) keys more finely
 (paged_attention.decode_splits), replayed when the batch's longest context is over it.
 
-Each graph reads static input buffers (input ids, positions, slots, context lengths, block tables) and writes the
-logits of every row; padded rows store nothing (slot -1) and attend to one key of block 0. Nothing inside a
-replay synchronises with the host. Needs an attention backend whose decode path reads device tensors only.
+Each graph reads static input buffers (input ids, positions, slots, context lengths, block tables), which one kernel
+fills before each replay (lowbit.kernels.decode_inputs), and writes the logits of every row; padded rows store
+nothing (slot -1) and attend to one key of an earlier row's block. Nothing inside a replay synchronises with the host. Needs an attention backend whose decode path reads device tensors only.
 Graphs of at most ALL_EARLY_MAX_BATCH rows are captured with every Triton kernel launched early (PDL), so each
 kernel's launch overlaps the one before it.
 """
+import numpy as np
 import torch
 
 from lowbit.kernels._triton import all_kernels_early
+from lowbit.kernels.decode_inputs import load_decode_inputs
 from lowbit.kernels.paged_attention import decode_splits, long_context
 from lowbit.serve.context import StepContext
 
@@ -35,6 +37,7 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.rows = torch.arange(n, dtype=torch.int64, device=device)  # every row's logits, in order
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, long contexts)
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         self.pool = None
@@ -43,7 +46,7 @@ class DecodeGraphs:
         """The step context a graph is captured with: its host-side context lengths only pick the split count."""
         return StepContext(positions=self.positions[:bs], slot_mapping=self.slot_mapping[:bs],
                            query_start_loc=self.query_start_loc[:bs + 1], context_lens=self.context_lens[:bs],
-                           block_tables=self.block_tables[:bs], logits_indices=self.query_start_loc[:bs].long(),
+                           block_tables=self.block_tables[:bs], logits_indices=self.rows[:bs],
                            is_decode=True, query_lens_cpu=[1] * bs,
                            context_lens_cpu=[long_context(bs) + 1 if long else 1] * bs)
 
@@ -65,23 +68,40 @@ class DecodeGraphs:
                     self.logits[key] = self._forward(*key)
             self.pool = graph.pool()
             self.graphs[key] = graph
+        self._build_input_load()
         torch.cuda.synchronize()
 
-    def can_run(self, ctx: StepContext) -> bool:
-        return ctx.is_decode and len(ctx.context_lens_cpu) <= self.sizes[-1] and \
-            ctx.block_tables.shape[1] <= self.block_tables.shape[1]
+    def _build_input_load(self) -> None:
+        """Compiles load_decode_inputs with and without pending tokens now, not at a request's first decode steps
+        (it writes row 0's current values back, and zeros into the first 16 table entries of an idle engine)."""
+        one, tables = self.input_ids[:1], torch.zeros(1, 16, dtype=torch.int32, device=self.input_ids.device)
+        for pending in (None, one):
+            load_decode_inputs(one.clone(), self.positions[:1].clone(), self.slot_mapping[:1].clone(),
+                               torch.full_like(one, -1), pending, self.context_lens[:1].clone(), tables, self._static(1))
 
-    def run(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """A decode step of B sequences -> float32 logits [B, V] (a view of the graph's output)."""
-        b = input_ids.shape[0]
+    def can_run(self, batch, logit_rows: list[list[int]]) -> bool:
+        """A decode step of at most the largest size, every row sampled, tables no wider than the static ones."""
+        return batch.is_decode and len(batch.seqs) <= self.sizes[-1] and all(len(r) == 1 for r in logit_rows) and \
+            max(len(s.block_table) for s in batch.seqs) <= self.block_tables.shape[1]
+
+    def run(self, host, upload, pending) -> torch.Tensor:
+        """A decode step of B sequences -> float32 logits [B, V] (a view of the graph's output).
+        host: the step's HostInputs; upload: their one copy to the device (ModelRunner.upload); pending: the
+        PendingTokens its inputs merge in, or None. One kernel writes the static buffers, then the graph replays."""
+        b = len(host.context_lens)
         bs = next(s for s in self.sizes if s >= b)
-        self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(ctx.positions)
-        self.slot_mapping[:b].copy_(ctx.slot_mapping)
-        self.slot_mapping[b:bs].fill_(-1)
-        self.context_lens[:b].copy_(ctx.context_lens)
-        self.context_lens[b:bs].fill_(1)
-        self.block_tables[:b, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
-        key = (bs, bs in self.long_sizes and max(ctx.context_lens_cpu) > long_context(bs))
+        source = host.pending_source if pending is not None else np.full(b, -1, np.int64)
+        ids, positions, slots, source, context_lens, tables = upload(
+            [host.input_ids, host.positions, host.slot_mapping, source, host.context_lens,
+             host.block_tables[:, :self.block_tables.shape[1]]])  # past can_run's widths: padding only
+        load_decode_inputs(ids, positions, slots, source, pending.tokens if pending is not None else None,
+                           context_lens, tables, self._static(bs))
+        key = (bs, bs in self.long_sizes and max(host.context_lens_cpu) > long_context(bs))
         self.graphs[key].replay()
         return self.logits[key][:b]
+
+    def _static(self, bs: int) -> dict:
+        """The static buffers of a graph of bs rows, as load_decode_inputs takes them."""
+        return {"input_ids": self.input_ids[:bs], "positions": self.positions[:bs],
+                "slot_mapping": self.slot_mapping[:bs], "context_lens": self.context_lens[:bs],
+                "block_tables": self.block_tables[:bs]}

@@ -13,7 +13,7 @@ from lowbit.serve.kv_pool import gpu_blocks_that_fit, warm_up_peak
 from lowbit.serve.loader import load_model, model_dtype
 from lowbit.serve.scheduler import Batch
 
-_TORCH = {np.int64: torch.int64, np.int32: torch.int32}
+_TORCH = {np.int64: torch.int64, np.int32: torch.int32}  # upload's dtypes
 # Block tables go to the kernels this many entries wide (a multiple): the attention kernels take the row stride as an
 # int argument, which Triton specializes on divisibility by 16, so a width that only grows would compile a new kernel
 # variant (~1 s, mid-run) the first step the longest table reaches 16 * k blocks.
@@ -82,10 +82,10 @@ class ModelRunner:
             budget = _available_ram() * (self.config.kv_cache_fraction or 0.05)
         return max(1, int(budget // self.block_bytes))
 
-    def prepare(self, batch: Batch, logit_rows: list[list[int]], pending: "PendingTokens | None" = None
-                ) -> tuple[torch.Tensor, StepContext]:
-        """logit_rows[i]: offsets within seq i's new tokens whose logits are wanted. pending: where the sequences
-        whose newest token is still on the device (token_ids[-1] == PENDING) find it."""
+    def host_inputs(self, batch: Batch, logit_rows: list[list[int]], pending: "PendingTokens | None" = None
+                    ) -> "HostInputs":
+        """The step's inputs as host arrays. logit_rows[i]: offsets within seq i's new tokens whose logits are wanted.
+        pending: where the sequences whose newest token is still on the device (token_ids[-1] == PENDING) find it."""
         seqs, counts, bs = batch.seqs, batch.num_new_tokens, self.config.block_size
         tables = self.block_tables.gather(seqs)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
@@ -101,51 +101,74 @@ class ModelRunner:
             positions = np.arange(qsl[-1]) + np.repeat(starts - qsl[:-1], counts)
         slots = tables[rows_of_tokens, positions // bs].astype(np.int64) * bs + positions % bs
         ctx_lens = starts + counts
-        ctx_lens_cpu = ctx_lens.tolist()
         if all(r == [0] for r in logit_rows):
             logits_indices = qsl[:-1]
         else:
             logits_indices = np.array([q + r for q, rows in zip(qsl.tolist(), logit_rows) for r in rows], np.int64)
-        if pending is None:
-            ids, positions, slots, logits_indices = self._upload([input_ids, positions, slots, logits_indices],
-                                                                 np.int64)
-        else:  # the newest token of sequence i is the last of its new tokens
+        source = None
+        if pending is not None:  # the newest token of sequence i is the last of its new tokens
             source = np.full(len(input_ids), -1, np.int64)
             source[qsl[1:] - 1] = pending.rows
-            ids, positions, slots, logits_indices, source = self._upload(
-                [input_ids, positions, slots, logits_indices, source], np.int64)
-            ids = torch.where(source >= 0, pending.tokens[source.clamp(min=0)], ids)
-        qsl, ctx_lens, tables = self._upload([qsl, ctx_lens, tables], np.int32)
+        return HostInputs(input_ids, positions, slots, logits_indices, source, qsl.astype(np.int32),
+                          ctx_lens.astype(np.int32), tables, batch.is_decode, list(counts), ctx_lens.tolist())
+
+    def prepare(self, batch: Batch, logit_rows: list[list[int]], pending: "PendingTokens | None" = None
+                ) -> tuple[torch.Tensor, StepContext]:
+        """host_inputs on the device (one copy): input ids [T] int64 and the step context."""
+        h = self.host_inputs(batch, logit_rows, pending)
+        ids, positions, slots, logits_indices, qsl, ctx_lens, tables, *source = self.upload(
+            [h.input_ids, h.positions, h.slot_mapping, h.logits_indices, h.query_start_loc, h.context_lens,
+             h.block_tables] + ([h.pending_source] if pending is not None else []))
+        if pending is not None:
+            ids = torch.where(source[0] >= 0, pending.tokens[source[0].clamp(min=0)], ids)
         ctx = StepContext(positions=positions, slot_mapping=slots, query_start_loc=qsl, context_lens=ctx_lens,
-                          block_tables=tables, logits_indices=logits_indices, is_decode=batch.is_decode,
-                          query_lens_cpu=list(counts), context_lens_cpu=ctx_lens_cpu)
+                          block_tables=tables, logits_indices=logits_indices, is_decode=h.is_decode,
+                          query_lens_cpu=h.query_lens_cpu, context_lens_cpu=h.context_lens_cpu)
         return ids, ctx
 
-    def _upload(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
-        """One host-to-device copy for several arrays (through pinned memory on CUDA); device views, same shapes.
-        Each view starts on a 16-byte boundary: Triton specializes kernels on pointer alignment, so views at
-        batch-dependent offsets would compile new variants mid-serving (~1 s each, benchmarks.md run 38)."""
-        align = UPLOAD_ALIGN_BYTES // np.dtype(dtype).itemsize
-        starts = np.cumsum([0] + [-(-a.size // align) * align for a in arrays])
-        host = torch.empty(int(starts[-1]), dtype=_TORCH[dtype], pin_memory=self.device.type == "cuda")
+    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """One host-to-device copy for several int64 / int32 arrays (through pinned memory on CUDA); device views,
+        same shapes and dtypes. Each view starts on a 16-byte boundary: Triton specializes kernels on pointer
+        alignment, so views at batch-dependent offsets would compile new variants mid-serving (~1 s each,
+        benchmarks.md run 38)."""
+        sizes = [-(-a.nbytes // UPLOAD_ALIGN_BYTES) * UPLOAD_ALIGN_BYTES for a in arrays]
+        starts = np.cumsum([0] + sizes).tolist()
+        host = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         flat_host = host.numpy()
-        for a, start in zip(arrays, starts.tolist()):
-            flat_host[start:start + a.size] = a.ravel()
+        for a, start in zip(arrays, starts):
+            flat_host[start:start + a.nbytes].view(a.dtype)[:] = a.ravel()
         flat = host.to(self.device, non_blocking=True)  # the pinned block is not reused before the copy is done
-        return [flat[start:start + a.size].view(a.shape) for a, start in zip(arrays, starts.tolist())]
+        return [flat[start:start + a.nbytes].view(_TORCH[a.dtype.type]).view(a.shape)
+                for a, start in zip(arrays, starts)]
 
     @torch.inference_mode()
     def run(self, batch: Batch, logit_rows: list[list[int]], pending: "PendingTokens | None" = None
             ) -> torch.Tensor:
         """Computes the batch's new tokens (K/V into the cache); returns float32 logits [sum(len(rows)), V].
         Queues the work without waiting for the device."""
+        if self.graphs is not None and self.graphs.can_run(batch, logit_rows):
+            return self.graphs.run(self.host_inputs(batch, logit_rows, pending), self.upload, pending)
         input_ids, ctx = self.prepare(batch, logit_rows, pending)
-        if self.graphs is not None and self.graphs.can_run(ctx) and len(ctx.logits_indices) == len(input_ids):
-            return self.graphs.run(input_ids, ctx)
         hidden = self.model(input_ids, ctx)
         if len(ctx.logits_indices) < len(input_ids):  # else every row, in order
             hidden = hidden[ctx.logits_indices]
         return self.model.compute_logits(hidden)
+
+
+@dataclass
+class HostInputs:
+    """A step's inputs on the host (ModelRunner.host_inputs); StepContext's fields before the upload."""
+    input_ids: np.ndarray  # [T] int64; PENDING where pending_source says where the token is
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    logits_indices: np.ndarray  # [R] int64
+    pending_source: np.ndarray | None  # [T] int64: row of the previous step's samples holding the token, or -1
+    query_start_loc: np.ndarray  # [B + 1] int32
+    context_lens: np.ndarray  # [B] int32
+    block_tables: np.ndarray  # [B, W] int32
+    is_decode: bool
+    query_lens_cpu: list[int]
+    context_lens_cpu: list[int]
 
 
 @dataclass

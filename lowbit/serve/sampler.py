@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.kernels.sampling import exponential_noise
+from lowbit.kernels.sampling import argmax_rows, exponential_noise
 from lowbit.serve.sampling_params import SamplingParams
 
 TopLogprobs = list[tuple[int, float]]
@@ -57,7 +57,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         x = truncate(x, [p.top_k for p in params], [p.top_p for p in params])
     probs = x.softmax(-1)
-    return (probs / exponential_noise(seeds, logits.shape[-1], logits.device)).argmax(-1)
+    return argmax_rows(probs / exponential_noise(seeds, logits.shape[-1], logits.device))
 
 
 def _on(device, values: list, dtype) -> torch.Tensor:
@@ -72,7 +72,7 @@ class Sampler:
                ) -> torch.Tensor:
         """logits [S, V] float32; per row the request's seed and the position of the token being chosen -> token
         ids [S] int64 on logits' device. Never waits for the device, so the host can go on while it samples."""
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         rows = [r for r, p in enumerate(params) if not p.greedy]
         if rows:
             index = _on(logits.device, rows, torch.int64)
