@@ -28,10 +28,15 @@ def quantize_fp8_ref(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 @kernel
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, D, eps,
                      HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
+    # the weight (and FP8 scale) never change while serving: loaded before the wait, they are in flight while the
+    # kernel before finishes under PDL (batch-1 decode step, bf16: 4.177 -> 4.138 ms on the H200)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if QUANT:
+        inv_scale = tl.div_rn(1.0, tl.load(scale_ptr))  # one division per row, not per element
+    wait_for_producers(PDL)
     dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -40,10 +45,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, D, 
         tl.store(res_out_ptr + row * D + cols, x.to(dtype), mask=mask)
     inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
     normed = (x * inv_rms).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (normed * w).to(dtype)
     if QUANT:
-        v = y.to(tl.float32) * tl.div_rn(1.0, tl.load(scale_ptr))  # one division per row, not per element
+        v = y.to(tl.float32) * inv_scale
         tl.store(out_ptr + row * D + cols, tl.minimum(tl.maximum(v, -448.0), 448.0).to(tl.float8e4nv), mask=mask)
     else:
         tl.store(out_ptr + row * D + cols, y, mask=mask)
