@@ -33,8 +33,8 @@ def host_inputs(ids, slots, lens, tables) -> HostInputs:
     b = len(ids)
     lens = np.array(lens, np.int32)
     return HostInputs(np.array(ids, np.int64), lens.astype(np.int64) - 1, np.array(slots, np.int64),
-                      np.arange(b), np.array([-1, 1, -1][:b] + [-1] * (b - 3), np.int64), np.arange(b + 1, dtype=np.int32),
-                      lens, np.array(tables, np.int32), True, [1] * b, lens.tolist())
+                      np.arange(b), np.array([-1, 1, -1][:b] + [-1] * (b - 3), np.int64),
+                      np.arange(b + 1, dtype=np.int32), lens, np.array(tables, np.int32), True, [1] * b, lens.tolist())
 
 
 def upload(arrays):

@@ -4,7 +4,8 @@ second one for the sizes whose decode attention splits contexts over long_contex
 
 Each graph reads static input buffers (input ids, positions, slots, context lengths, block tables), which one kernel
 fills before each replay (lowbit.kernels.decode_inputs), and writes the logits of every row; padded rows store
-nothing (slot -1) and attend to one key of an earlier row's block. Nothing inside a replay synchronises with the host. Needs an attention backend whose decode path reads device tensors only.
+nothing (slot -1) and attend to one key of an earlier row's block. Nothing inside a replay synchronises with the
+host. Needs an attention backend whose decode path reads device tensors only.
 Graphs of at most ALL_EARLY_MAX_BATCH rows are captured with every Triton kernel launched early (PDL), so each
 kernel's launch overlaps the one before it.
 """
@@ -77,7 +78,8 @@ class DecodeGraphs:
         one, tables = self.input_ids[:1], torch.zeros(1, 16, dtype=torch.int32, device=self.input_ids.device)
         for pending in (None, one):
             load_decode_inputs(one.clone(), self.positions[:1].clone(), self.slot_mapping[:1].clone(),
-                               torch.full_like(one, -1), pending, self.context_lens[:1].clone(), tables, self._static(1))
+                               torch.full_like(one, -1), pending, self.context_lens[:1].clone(), tables,
+                               self._static(1))
 
     def can_run(self, batch, logit_rows: list[list[int]]) -> bool:
         """A decode step of at most the largest size, every row sampled, tables no wider than the static ones."""

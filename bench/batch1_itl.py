@@ -1,0 +1,48 @@
+"""Batch-1 inter-token latency of the engine (GPU, dummy Llama-3.1-8B weights): per format, build the engine as
+`lowbit bench serve` does, serve one untimed prompt, then three single requests (ISL 128, OSL 256, greedy, EOS
+ignored); prints each request's median ITL and their median. A / B runs: the same command on two trees, one call.
+`python3 bench/batch1_itl.py [--formats bf16,int4_awq] [--isl 128] [--osl 256]`
+"""
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lowbit.bench_cli import load_script  # noqa: E402
+
+FORMATS = ("bf16", "fp8", "int4_awq", "nvfp4")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", default="bf16,int4_awq")
+    ap.add_argument("--isl", type=int, default=128)
+    ap.add_argument("--osl", type=int, default=256)
+    args = ap.parse_args(argv)
+    formats = args.formats.split(",")
+    if any(f not in FORMATS for f in formats) or args.isl < 1 or args.osl < 2:
+        ap.error(f"--formats from {','.join(FORMATS)}, --isl >= 1, --osl >= 2")
+    if not torch.cuda.is_available():
+        print("error: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    sb = load_script("serve_bench.py")
+    for fmt in formats:
+        engine = sb.build_engine(sb.parse(["--max-batch-size", "64"]), fmt)
+        vocab = engine.runner.model.config["vocab_size"]
+        sb.latency(engine, sb.random_prompts(1, args.isl, vocab, 1)[0], 16)  # untimed: first-use costs
+        itl = [sb.latency(engine, sb.random_prompts(1, args.isl, vocab, 10 + i)[0], args.osl)["itl_ms_median"]
+               for i in range(3)]
+        median = statistics.median(itl)
+        print(json.dumps({"format": fmt, "itl_ms": itl, "itl_ms_median": median,
+                          "tok_s": round(1e3 / median, 1)}), flush=True)
+        del engine
+        sb.free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
