@@ -13,6 +13,7 @@
 #   bash bench/h200_session.sh splits   # decode attention at batch 1-16: the context-split counts, short and long
 #   bash bench/h200_session.sh dense    # the batch-1 bf16 GEMV and its FP8 variant (routed for small layers)
 #   bash bench/h200_session.sh m2       # the W4 GEMV on two x rows vs w4_small_m / tensor cores; batch-2 decode steps
+#   bash bench/h200_session.sh norms    # RMSNorms folded into the bf16 GEMVs (layer chain); batch-1 ITL per format
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -148,8 +149,14 @@ ncu)
         grep -E "^ +(Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|No Eligible) " "$OUT/$name.txt"
     done
     ;;
+norms)
+    part "the batch-1 bf16 layer chain with its RMSNorms folded into the GEMVs, checked, then timed"
+    timeout 200 python3 bench/fused_norm_bench.py 2>&1 | grep -E 'check|FAIL|early'
+    part "batch-1 ITL of every format on this tree"
+    timeout 300 python3 bench/batch1_itl.py --formats bf16,int4_awq,nvfp4,fp8 2>&1 | grep '"format"'
+    ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|norms" >&2
     exit 2
     ;;
 esac

@@ -36,11 +36,29 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
-def dense_gemv(x, weight, bias=None, config=None):
+def dense_gemv(x, weight, bias=None, config=None, norm=None, residual=None):
     """x [1, K] bf16/fp16, weight [N, K] of x's dtype -> [1, N] in x's dtype (fp32 sums).
-    config (BLOCK_N, BLOCK_K, num_warps), default gemv_config(N); BLOCK_K / 8 a multiple of 32 x num_warps."""
+    config (BLOCK_N, BLOCK_K, num_warps), default gemv_config(N); BLOCK_K / 8 a multiple of 32 x num_warps.
+    norm (sum_sq, norm_weight, eps): x is RMS-normalized first, as rms_norm does, from sum_sq (fp32 [1], the sum of
+    x's squares) instead of a reduction over x: every program normalizes only the x values it reads.
+    residual (r, sum_sq_out): the output is y + r (y rounded to x's dtype first, as rms_norm's residual add sees it),
+    and the sum of its squares is added to sum_sq_out (fp32 [1], zeroed by the caller) by one atomic per program."""
     assert x.shape[0] == 1 and weight.dtype == x.dtype and weight.shape[1] == x.shape[1], (x.shape, weight.shape)
-    return _launch(x, weight, None, None, bias, x.dtype, config)
+    return _launch(x, weight, None, None, bias, x.dtype, config, norm, residual)
+
+
+def dense_gemv_ref(x, weight, bias=None, norm=None, residual=None):
+    """dense_gemv's contract in torch (sum_sq_out += the new residual's sum of squares)."""
+    if norm is not None:
+        sum_sq, norm_weight, eps = norm
+        inv_rms = torch.rsqrt(sum_sq.float() / x.shape[-1] + eps)
+        x = (norm_weight.float() * (x.float() * inv_rms).to(x.dtype).float()).to(x.dtype)
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    if residual is not None:
+        r, sum_sq_out = residual
+        y = (y.float() + r.float()).to(x.dtype)
+        sum_sq_out += y.float().pow(2).sum()
+    return y
 
 
 def fp8_gemv(q, weight, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, config=None):
@@ -52,7 +70,7 @@ def fp8_gemv(q, weight, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, c
     return _launch(q, weight, scale_a.float().reshape(1), scale_b.float().reshape(-1), bias, out_dtype, config)
 
 
-def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config):
+def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config, norm=None, residual=None):
     assert use_triton(x)
     vec = 16 // weight.element_size()
     block_n, block_k, warps = config or gemv_config(weight.shape[0], weight.element_size())
@@ -62,19 +80,24 @@ def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config):
     N, K = weight.shape
     out = torch.empty(1, N, dtype=out_dtype, device=x.device)
     scaled = scale_a is not None
+    sum_sq, norm_weight, eps = norm or (out, out, 0.0)
+    r, sum_sq_out = residual or (out, out)
     _dense_gemv_kernel[(cdiv(N, block_n),)](
         x, weight, scale_a if scaled else out, scale_b if scaled else out, bias if bias is not None else out, out, N,
-        K, HAS_BIAS=bias is not None, SCALED=scaled, ROW_SCALES=scaled and scale_b.numel() > 1, VEC=vec,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps)
+        K, sum_sq, norm_weight, eps, r, sum_sq_out, HAS_BIAS=bias is not None, SCALED=scaled,
+        ROW_SCALES=scaled and scale_b.numel() > 1, NORM_X=norm is not None, ADD_RESIDUAL=residual is not None,
+        VEC=vec, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps)
     return out
 
 
 @early_kernel
-def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, HAS_BIAS: tl.constexpr,
-                       SCALED: tl.constexpr, ROW_SCALES: tl.constexpr, VEC: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, ss_ptr, nw_ptr, eps, res_ptr,
+                       ss_out_ptr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, ROW_SCALES: tl.constexpr,
+                       NORM_X: tl.constexpr, ADD_RESIDUAL: tl.constexpr, VEC: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """out[0, n] for BLOCK_N rows n (clamped for the loads, masked at the store). EVEN_K: BLOCK_K | K. SCALED: times
-    sa[0] and sb[0] (or sb[n], ROW_SCALES)."""
+    sa[0] and sb[0] (or sb[n], ROW_SCALES). NORM_X: x RMS-normalized from ss[0] and the norm weight nw on load.
+    ADD_RESIDUAL: out = y + res, and ss_out[0] += the sum of out's squares (dense_gemv)."""
     C: tl.constexpr = BLOCK_K // VEC
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,6 +112,8 @@ def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, HA
     else:
         w = tl.load(w_ptrs, mask=kk < K, other=0.0, cache_modifier=".cg")
     wait_for_producers(PDL)
+    if NORM_X:
+        inv_rms = 1.0 / tl.sqrt(tl.load(ss_ptr) / K + eps)
     for kb in range(0, n_steps):
         k0 = kb * BLOCK_K
         k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
@@ -98,6 +123,9 @@ def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, HA
         else:
             w_next = tl.load(w_ptrs + k_next, mask=k_next + kk < K, other=0.0, cache_modifier=".cg")
             xs = tl.load(x_ptr + k0 + kk, mask=k0 + kk < K, other=0.0)
+        if NORM_X:  # rms_norm's roundings: the normalized x, then times the weight, each in x's dtype
+            nw = tl.load(nw_ptr + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
+            xs = (nw * (xs.to(tl.float32) * inv_rms).to(xs.dtype).to(tl.float32)).to(xs.dtype)
         acc += tl.sum(w.to(tl.float32) * xs.to(tl.float32), axis=2)
         w = w_next
     out = tl.sum(acc, axis=0)
@@ -109,4 +137,9 @@ def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, HA
             out = out * tl.load(sb_ptr)
     if HAS_BIAS:
         out += tl.load(bias_ptr + n_rows).to(tl.float32)
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+    out = out.to(out_ptr.dtype.element_ty)
+    if ADD_RESIDUAL:  # rms_norm's residual add, and this program's share of the sum of squares
+        out = (out.to(tl.float32) + tl.load(res_ptr + n_rows).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        sq = out.to(tl.float32)
+        tl.atomic_add(ss_out_ptr, tl.sum(tl.where(offs_n < N, sq * sq, 0.0), axis=0), sem="relaxed")
+    tl.store(out_ptr + offs_n, out, mask=offs_n < N)
