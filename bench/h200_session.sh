@@ -13,7 +13,7 @@
 #   bash bench/h200_session.sh splits   # decode attention at batch 1-16: the context-split counts, short and long
 #   bash bench/h200_session.sh dense    # the batch-1 bf16 GEMV and its FP8 variant (routed for small layers)
 #   bash bench/h200_session.sh m2       # the W4 GEMV on two x rows vs w4_small_m / tensor cores; batch-2 decode steps
-#   bash bench/h200_session.sh norms    # RMSNorms folded into the bf16 GEMVs (layer chain); batch-1 ITL per format
+#   bash bench/h200_session.sh norms    # RMSNorms folded into the bf16 GEMVs: layer chain, engine check, ITL A / B
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -152,7 +152,14 @@ ncu)
 norms)
     part "the batch-1 bf16 layer chain with its RMSNorms folded into the GEMVs, checked, then timed"
     timeout 200 python3 bench/fused_norm_bench.py 2>&1 | grep -E 'check|FAIL|early'
-    part "batch-1 ITL of every format on this tree"
+    fold="from lowbit.serve.models import llama; llama.FOLD_NORMS_AT_ONE_ROW = True
+from lowbit.bench_cli import load_script"
+    part "the engine with the norms folded at batch 1 (bf16) against the reference path, then its batch-1 ITL"
+    timeout 120 python3 -c "$fold
+load_script('serve_diag.py').main(['--phases', 'check', '--formats', 'bf16'])" 2>&1 | grep '"format"' | cut -c1-300
+    timeout 150 python3 -c "$fold
+load_script('batch1_itl.py').main(['--formats', 'bf16'])" 2>&1 | grep '"format"'
+    part "batch-1 ITL of every format, norms not folded (this tree's default)"
     timeout 300 python3 bench/batch1_itl.py --formats bf16,int4_awq,nvfp4,fp8 2>&1 | grep '"format"'
     ;;
 *)
