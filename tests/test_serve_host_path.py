@@ -55,8 +55,8 @@ def test_step_inputs_equal_the_list_built_ones_through_chunks_reuse_and_preempti
     engine = tiny_engine(overlap_steps=overlap)
     runner, prepare, kinds = engine.runner, engine.runner.prepare, set()
 
-    def checked(batch, rows, pending=None):
-        input_ids, ctx = prepare(batch, rows, pending)
+    def checked(batch, rows, pending=None, host=None):
+        input_ids, ctx = prepare(batch, rows, pending, host)
         expected = list_inputs(batch, rows, engine.config.block_size)
         if pending is not None:  # a token still on the device is read from the previous step's samples
             last = [sum(batch.num_new_tokens[:i + 1]) - 1 for i in range(len(batch.seqs))]

@@ -81,10 +81,11 @@ class DecodeGraphs:
                                torch.full_like(one, -1), pending, self.context_lens[:1].clone(), tables,
                                self._static(1))
 
-    def can_run(self, batch, logit_rows: list[list[int]]) -> bool:
-        """A decode step of at most the largest size, every row sampled, tables no wider than the static ones."""
-        return batch.is_decode and len(batch.seqs) <= self.sizes[-1] and all(len(r) == 1 for r in logit_rows) and \
-            max(len(s.block_table) for s in batch.seqs) <= self.block_tables.shape[1]
+    def can_run(self, host) -> bool:
+        """host (HostInputs): a decode step of at most the largest size, every row's logits, tables no wider than
+        the static ones."""
+        return host.is_decode and len(host.context_lens) <= self.sizes[-1] and \
+            len(host.logits_indices) == len(host.input_ids) and host.block_tables.shape[1] <= self.block_tables.shape[1]
 
     def run(self, host, upload, pending) -> torch.Tensor:
         """A decode step of B sequences -> float32 logits [B, V] (a view of the graph's output).
@@ -94,8 +95,7 @@ class DecodeGraphs:
         bs = next(s for s in self.sizes if s >= b)
         source = host.pending_source if pending is not None else np.full(b, -1, np.int64)
         ids, positions, slots, source, context_lens, tables = upload(
-            [host.input_ids, host.positions, host.slot_mapping, source, host.context_lens,
-             host.block_tables[:, :self.block_tables.shape[1]]])  # past can_run's widths: padding only
+            [host.input_ids, host.positions, host.slot_mapping, source, host.context_lens, host.block_tables])
         load_decode_inputs(ids, positions, slots, source, pending.tokens if pending is not None else None,
                            context_lens, tables, self._static(bs))
         key = (bs, bs in self.long_sizes and max(host.context_lens_cpu) > long_context(bs))

@@ -112,10 +112,11 @@ class ModelRunner:
         return HostInputs(input_ids, positions, slots, logits_indices, source, qsl.astype(np.int32),
                           ctx_lens.astype(np.int32), tables, batch.is_decode, list(counts), ctx_lens.tolist())
 
-    def prepare(self, batch: Batch, logit_rows: list[list[int]], pending: "PendingTokens | None" = None
-                ) -> tuple[torch.Tensor, StepContext]:
-        """host_inputs on the device (one copy): input ids [T] int64 and the step context."""
-        h = self.host_inputs(batch, logit_rows, pending)
+    def prepare(self, batch: Batch, logit_rows: list[list[int]], pending: "PendingTokens | None" = None,
+                host: "HostInputs | None" = None) -> tuple[torch.Tensor, StepContext]:
+        """host_inputs (or host, already built from these arguments) on the device, one copy: input ids [T] int64
+        and the step context."""
+        h = host or self.host_inputs(batch, logit_rows, pending)
         ids, positions, slots, logits_indices, qsl, ctx_lens, tables, *source = self.upload(
             [h.input_ids, h.positions, h.slot_mapping, h.logits_indices, h.query_start_loc, h.context_lens,
              h.block_tables] + ([h.pending_source] if pending is not None else []))
@@ -146,9 +147,10 @@ class ModelRunner:
             ) -> torch.Tensor:
         """Computes the batch's new tokens (K/V into the cache); returns float32 logits [sum(len(rows)), V].
         Queues the work without waiting for the device."""
-        if self.graphs is not None and self.graphs.can_run(batch, logit_rows):
-            return self.graphs.run(self.host_inputs(batch, logit_rows, pending), self.upload, pending)
-        input_ids, ctx = self.prepare(batch, logit_rows, pending)
+        host = self.host_inputs(batch, logit_rows, pending)
+        if self.graphs is not None and self.graphs.can_run(host):
+            return self.graphs.run(host, self.upload, pending)
+        input_ids, ctx = self.prepare(batch, logit_rows, pending, host)
         hidden = self.model(input_ids, ctx)
         if len(ctx.logits_indices) < len(input_ids):  # else every row, in order
             hidden = hidden[ctx.logits_indices]
