@@ -1,11 +1,12 @@
-"""The batch-1 bf16 layer chain with and without its RMSNorms folded into the GEMVs (GPU, Llama-3.1-8B shapes).
+"""The batch-1 bf16 layer chain with and without its RMSNorms (and SiLU) folded into the GEMVs (GPU, Llama-8B shapes).
 
 Unfused (the engine's today): norm -> qkv GEMV -> o GEMV -> norm -> gate/up GEMV -> SiLU -> down GEMV per layer, the
 norms as their own kernels (residual add inside). Fused: o and down add the residual in their epilogue and add the
 new residual's sum of squares into one fp32 per norm (an atomic per program); qkv and gate/up normalize x on load
-from it (dense_gemv's norm= / residual=). Attention is left out (o reads the q part of qkv), so the chain isolates
-the norms. Both chains run 32 layers from the same input, are checked against each other, then timed as CUDA-graph
-replays with every kernel launched early (as the engine's batch 1-2 graphs) and with only the GEMVs early.
+from it (dense_gemv's norm= / residual=); a third chain also folds SiLU-and-mul into the gate/up GEMV (silu_mul=).
+Attention is left out (o reads the q part of qkv), so the chains isolate the norms and SiLU. All run 32 layers from
+the same input, are checked against the unfused one, then timed as CUDA-graph replays with every kernel launched
+early (as the engine's batch 1-2 graphs) and with only the GEMVs early.
 `python3 bench/fused_norm_bench.py [--layers 32]`
 """
 import argparse
@@ -42,15 +43,19 @@ def unfused(layers, x):
     return (x.float() + residual.float()).to(x.dtype)
 
 
-def fused(layers, x, sums):
-    """-> the same stream; sums: fp32 [2 * len(layers)], zeroed here (one memset per chain)."""
+def fused(layers, x, sums, silu: bool = False):
+    """-> the same stream; sums: fp32 [2 * len(layers)], zeroed here (one memset per chain). silu: SiLU-and-mul
+    folded into the gate/up GEMV too."""
     sums.zero_()
     h, residual = rms_norm(x, layers[0]["norm1"], EPS)  # the first input norm has no GEMV before it
     for i, w in enumerate(layers):
         ss_in, ss_mid = sums[2 * i - 1:2 * i], sums[2 * i:2 * i + 1]
         qkv = dense_gemv(h, w["qkv"]) if i == 0 else dense_gemv(residual, w["qkv"], norm=(ss_in, w["norm1"], EPS))
         residual = dense_gemv(qkv[:, :HIDDEN], w["o"], residual=(residual, ss_mid))
-        act = silu_and_mul(dense_gemv(residual, w["gate_up"], norm=(ss_mid, w["norm2"], EPS)))
+        if silu:
+            act = dense_gemv(residual, w["gate_up"], norm=(ss_mid, w["norm2"], EPS), silu_mul=True)
+        else:
+            act = silu_and_mul(dense_gemv(residual, w["gate_up"], norm=(ss_mid, w["norm2"], EPS)))
         residual = dense_gemv(act, w["down"], residual=(residual, sums[2 * i + 1:2 * i + 2]))
     return residual
 
@@ -80,17 +85,22 @@ def main(argv=None) -> int:
     layers = make_layers(args.layers, "cuda")
     x = torch.randn(1, HIDDEN, device="cuda").to(torch.bfloat16)
     sums = torch.zeros(2 * args.layers, dtype=torch.float32, device="cuda")
-    want, got = unfused(layers, x), fused(layers, x, sums)
-    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-    print(f"check: fused vs unfused final residual, relative L2 {err:.2e} (tolerance {CHECK_TOL:.0e})", flush=True)
-    if not err < CHECK_TOL:
-        print("FAIL", flush=True)
-        return 1
+    want = unfused(layers, x)
+    for silu in (False, True):
+        got = fused(layers, x, sums, silu)
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        print(f"check: fused{' + silu' if silu else ''} vs unfused final residual, relative L2 {err:.2e} "
+              f"(tolerance {CHECK_TOL:.0e})", flush=True)
+        if not err < CHECK_TOL:
+            print("FAIL", flush=True)
+            return 1
     for early in (True, False):
         a = replay_ms(lambda: unfused(layers, x), early)
         b = replay_ms(lambda: fused(layers, x, sums), early)
-        print(f"{'every kernel early' if early else 'only GEMVs early'}: unfused {a:.4f} ms, fused {b:.4f} ms "
-              f"({1e3 * (a - b) / args.layers:+.2f} us per layer saved)", flush=True)
+        c = replay_ms(lambda: fused(layers, x, sums, True), early)
+        print(f"{'every kernel early' if early else 'only GEMVs early'}: unfused {a:.4f} ms, norms fused {b:.4f} "
+              f"({1e3 * (a - b) / args.layers:+.2f} us per layer saved), norms + silu fused {c:.4f} "
+              f"({1e3 * (a - c) / args.layers:+.2f})", flush=True)
     return 0
 
 

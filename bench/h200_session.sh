@@ -159,6 +159,11 @@ from lowbit.bench_cli import load_script"
 load_script('serve_diag.py').main(['--phases', 'check', '--formats', 'bf16'])" 2>&1 | grep '"format"' | cut -c1-300
     timeout 150 python3 -c "$fold
 load_script('batch1_itl.py').main(['--formats', 'bf16'])" 2>&1 | grep '"format"'
+    part "the same with SiLU-and-mul folded into the gate/up GEMV too (FOLD_SILU_AT_ONE_ROW): check, then ITL"
+    timeout 270 python3 -c "$fold
+llama.FOLD_SILU_AT_ONE_ROW = True
+load_script('serve_diag.py').main(['--phases', 'check', '--formats', 'bf16'])
+load_script('batch1_itl.py').main(['--formats', 'bf16'])" 2>&1 | grep '"format"' | cut -c1-300
     part "batch-1 ITL of every format, norms not folded (this tree's default)"
     timeout 300 python3 bench/batch1_itl.py --formats bf16,int4_awq,nvfp4,fp8 2>&1 | grep '"format"'
     ;;

@@ -93,3 +93,23 @@ def test_dense_gemv_fused_norm_and_residual_match_the_reference(k, n, config, dt
     torch.testing.assert_close(ss_out, ss_ref, rtol=2 * TOL[dtype], atol=0)
     _, new_residual = rms_norm_ref(dense_gemv_ref(x, w), torch.ones(n, dtype=dtype), 1e-5, r)
     assert torch.equal(want, new_residual)  # the residual add rms_norm would make
+
+
+@pytest.mark.parametrize("k,d,config", [(1024, 12, (8, 256, 1)), (300, 5, (4, 256, 1)), (1000, 9, (8, 512, 2))])
+def test_dense_gemv_silu_mul_matches_silu_and_mul(k, d, config):
+    """silu_mul: each program pairs BLOCK_N / 2 gate rows with their up rows (D odd, not a multiple of BLOCK_N / 2),
+    with and without the norm on x."""
+    from lowbit.kernels.activation import silu_and_mul_ref
+    from lowbit.kernels.dense_gemv import dense_gemv_ref
+
+    g = torch.Generator().manual_seed(k + d)
+    x = torch.randn(1, k, generator=g).to(torch.float16)
+    w = (torch.randn(2 * d, k, generator=g) * 0.05).to(torch.float16)
+    want = silu_and_mul_ref(dense_gemv_ref(x, w))
+    assert torch.equal(dense_gemv_ref(x, w, silu_mul=True), want)
+    out = dense_gemv(x, w, None, config, silu_mul=True)
+    assert out.shape == (1, d) and rel_err(out, want) < TOL[torch.float16]
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(torch.float16)
+    norm = (x.float().pow(2).sum().reshape(1), nw, 1e-5)
+    out = dense_gemv(x, w, None, config, norm=norm, silu_mul=True)
+    assert rel_err(out, dense_gemv_ref(x, w, norm=norm, silu_mul=True)) < TOL[torch.float16]

@@ -36,18 +36,21 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
-def dense_gemv(x, weight, bias=None, config=None, norm=None, residual=None):
+def dense_gemv(x, weight, bias=None, config=None, norm=None, residual=None, silu_mul=False):
     """x [1, K] bf16/fp16, weight [N, K] of x's dtype -> [1, N] in x's dtype (fp32 sums).
     config (BLOCK_N, BLOCK_K, num_warps), default gemv_config(N); BLOCK_K / 8 a multiple of 32 x num_warps.
     norm (sum_sq, norm_weight, eps): x is RMS-normalized first, as rms_norm does, from sum_sq (fp32 [1], the sum of
     x's squares) instead of a reduction over x: every program normalizes only the x values it reads.
     residual (r, sum_sq_out): the output is y + r (y rounded to x's dtype first, as rms_norm's residual add sees it),
-    and the sum of its squares is added to sum_sq_out (fp32 [1], zeroed by the caller) by one atomic per program."""
+    and the sum of its squares is added to sum_sq_out (fp32 [1], zeroed by the caller) by one atomic per program.
+    silu_mul: weight is a merged gate/up [2D, K]; the output is silu_and_mul of the GEMV's [1, 2D] output, [1, D]
+    (each program takes BLOCK_N / 2 gate rows and the matching up rows)."""
     assert x.shape[0] == 1 and weight.dtype == x.dtype and weight.shape[1] == x.shape[1], (x.shape, weight.shape)
-    return _launch(x, weight, None, None, bias, x.dtype, config, norm, residual)
+    assert not (silu_mul and residual is not None), "silu_mul and residual: one epilogue"
+    return _launch(x, weight, None, None, bias, x.dtype, config, norm, residual, silu_mul)
 
 
-def dense_gemv_ref(x, weight, bias=None, norm=None, residual=None):
+def dense_gemv_ref(x, weight, bias=None, norm=None, residual=None, silu_mul=False):
     """dense_gemv's contract in torch (sum_sq_out += the new residual's sum of squares)."""
     if norm is not None:
         sum_sq, norm_weight, eps = norm
@@ -58,6 +61,9 @@ def dense_gemv_ref(x, weight, bias=None, norm=None, residual=None):
         r, sum_sq_out = residual
         y = (y.float() + r.float()).to(x.dtype)
         sum_sq_out += y.float().pow(2).sum()
+    if silu_mul:
+        d = y.shape[-1] // 2
+        y = (F.silu(y[..., :d].float()) * y[..., d:].float()).to(x.dtype)
     return y
 
 
@@ -70,7 +76,7 @@ def fp8_gemv(q, weight, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, c
     return _launch(q, weight, scale_a.float().reshape(1), scale_b.float().reshape(-1), bias, out_dtype, config)
 
 
-def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config, norm=None, residual=None):
+def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config, norm=None, residual=None, silu_mul=False):
     assert use_triton(x)
     vec = 16 // weight.element_size()
     block_n, block_k, warps = config or gemv_config(weight.shape[0], weight.element_size())
@@ -78,7 +84,8 @@ def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config, norm=None, res
     x = x.contiguous()
     weight = weight.contiguous()
     N, K = weight.shape
-    out = torch.empty(1, N, dtype=out_dtype, device=x.device)
+    assert not silu_mul or N % 2 == 0, N
+    out = torch.empty(1, N // 2 if silu_mul else N, dtype=out_dtype, device=x.device)
     scaled = scale_a is not None
     sum_sq, norm_weight, eps = norm or (out, out, 0.0)
     r, sum_sq_out = residual or (out, out)
@@ -86,22 +93,29 @@ def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config, norm=None, res
         x, weight, scale_a if scaled else out, scale_b if scaled else out, bias if bias is not None else out, out, N,
         K, sum_sq, norm_weight, eps, r, sum_sq_out, HAS_BIAS=bias is not None, SCALED=scaled,
         ROW_SCALES=scaled and scale_b.numel() > 1, NORM_X=norm is not None, ADD_RESIDUAL=residual is not None,
-        VEC=vec, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps)
+        SILU_MUL=silu_mul, VEC=vec, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps)
     return out
 
 
 @early_kernel
 def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, ss_ptr, nw_ptr, eps, res_ptr,
                        ss_out_ptr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, ROW_SCALES: tl.constexpr,
-                       NORM_X: tl.constexpr, ADD_RESIDUAL: tl.constexpr, VEC: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                       NORM_X: tl.constexpr, ADD_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, VEC: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """out[0, n] for BLOCK_N rows n (clamped for the loads, masked at the store). EVEN_K: BLOCK_K | K. SCALED: times
     sa[0] and sb[0] (or sb[n], ROW_SCALES). NORM_X: x RMS-normalized from ss[0] and the norm weight nw on load.
-    ADD_RESIDUAL: out = y + res, and ss_out[0] += the sum of out's squares (dense_gemv)."""
+    ADD_RESIDUAL: out = y + res, and ss_out[0] += the sum of out's squares. SILU_MUL: rows are gate rows
+    pid * BLOCK_N / 2 + j and their up rows N / 2 later; out[pid * BLOCK_N / 2 + j] = silu(gate) * up (dense_gemv)."""
     C: tl.constexpr = BLOCK_K // VEC
     pid_n = tl.program_id(0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    if SILU_MUL:
+        HALF: tl.constexpr = BLOCK_N // 2
+        j = tl.arange(0, BLOCK_N) % HALF
+        offs_n = pid_n * HALF + j  # the output column of each row's pair
+        n_rows = (tl.minimum(offs_n, N // 2 - 1) + (tl.arange(0, BLOCK_N) // HALF) * (N // 2)).to(tl.int64)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     cc = tl.arange(0, C)
     kk = (VEC * cc)[:, None, None] + tl.arange(0, VEC)[None, None, :]  # [C, 1, VEC]: k of each element in the step
     w_ptrs = w_ptr + n_rows[None, :, None] * K + kk  # [C, BN, VEC]
@@ -142,4 +156,12 @@ def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, ss
         out = (out.to(tl.float32) + tl.load(res_ptr + n_rows).to(tl.float32)).to(out_ptr.dtype.element_ty)
         sq = out.to(tl.float32)
         tl.atomic_add(ss_out_ptr, tl.sum(tl.where(offs_n < N, sq * sq, 0.0), axis=0), sem="relaxed")
-    tl.store(out_ptr + offs_n, out, mask=offs_n < N)
+    if SILU_MUL:  # silu_and_mul's math on the rounded gate / up pairs: [BLOCK_N] -> [2, HALF]
+        pair = tl.reshape(out.to(tl.float32), (2, HALF))
+        half = tl.arange(0, 2)[:, None]
+        gate = tl.sum(tl.where(half == 0, pair, 0.0), axis=0)
+        up = tl.sum(tl.where(half == 1, pair, 0.0), axis=0)
+        cols = pid_n * HALF + tl.arange(0, HALF)
+        tl.store(out_ptr + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=cols < N // 2)
+    else:
+        tl.store(out_ptr + offs_n, out, mask=offs_n < N)

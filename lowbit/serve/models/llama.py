@@ -21,6 +21,7 @@ from lowbit.serve.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, 
 # forward_one_row). Off until bench/fused_norm_bench.py and bench/batch1_itl.py measure it on the H200
 # (docs/serve_gpu_notes.md, thirteenth session).
 FOLD_NORMS_AT_ONE_ROW = False
+FOLD_SILU_AT_ONE_ROW = False  # and in that path, SiLU-and-mul into the gate/up GEMV (dense_gemv's silu_mul=)
 
 
 class LlamaAttention(nn.Module):
@@ -114,8 +115,11 @@ class LlamaDecoderLayer(nn.Module):
             q_k_v = dense_gemv(residual, qkv.weight, qkv.bias, norm=(sums[0:1], norm.weight, norm.eps))
         out = attn.attn.forward_qkv(q_k_v, attn.rotary[0].cos_sin_cache, None, ctx)
         residual = dense_gemv(out, attn.o_proj.weight, attn.o_proj.bias, residual=(residual, sums[1:2]))
-        norm = self.post_attention_layernorm
-        act = mlp.act(dense_gemv(residual, gate_up.weight, gate_up.bias, norm=(sums[1:2], norm.weight, norm.eps)))
+        norm = (sums[1:2], self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        if FOLD_SILU_AT_ONE_ROW:
+            act = dense_gemv(residual, gate_up.weight, gate_up.bias, norm=norm, silu_mul=True)
+        else:
+            act = mlp.act(dense_gemv(residual, gate_up.weight, gate_up.bias, norm=norm))
         return None, dense_gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=(residual, sums[2:3]))
 
 
