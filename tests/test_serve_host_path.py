@@ -53,10 +53,16 @@ def list_inputs(batch, rows, bs):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_step_inputs_equal_the_list_built_ones_through_chunks_reuse_and_preemption(overlap):
     engine = tiny_engine(overlap_steps=overlap)
-    runner, prepare, kinds = engine.runner, engine.runner.prepare, set()
+    runner, kinds, step = engine.runner, set(), {}
+    host_inputs, device_inputs = runner.host_inputs, runner.device_inputs
 
-    def checked(batch, rows, pending=None, host=None):
-        input_ids, ctx = prepare(batch, rows, pending, host)
+    def recorded(batch, rows, pending=None):  # the step whose host arrays device_inputs then gets
+        step.update(batch=batch, rows=rows)
+        return host_inputs(batch, rows, pending)
+
+    def checked(host, pending):
+        input_ids, ctx = device_inputs(host, pending)
+        batch, rows = step["batch"], step["rows"]
         expected = list_inputs(batch, rows, engine.config.block_size)
         if pending is not None:  # a token still on the device is read from the previous step's samples
             last = [sum(batch.num_new_tokens[:i + 1]) - 1 for i in range(len(batch.seqs))]
@@ -72,7 +78,7 @@ def test_step_inputs_equal_the_list_built_ones_through_chunks_reuse_and_preempti
         kinds.add("decode" if batch.is_decode else "prefill")
         return input_ids, ctx
 
-    runner.prepare = checked
+    runner.host_inputs, runner.device_inputs = recorded, checked
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(0, 512, (9,), generator=g).tolist()
     prompts = [shared + torch.randint(0, 512, (n,), generator=g).tolist() for n in (1, 20, 5, 30, 3, 12)]

@@ -11,6 +11,11 @@ from lowbit.kernels._triton import kernel, tl, use_triton, wait_for_producers
 _TABLE_BLOCK = 256  # block-table entries per copy step
 
 
+def merge_pending(ids: torch.Tensor, source: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+    """ids [T] with token t taken from pending[source[t]] where source[t] >= 0 (a token sampled on the device)."""
+    return torch.where(source >= 0, pending[source.clamp(min=0)], ids)
+
+
 def load_decode_inputs_ref(ids, positions, slots, source, pending, context_lens, tables, out: dict) -> None:
     """ids, positions, slots, source [b] int64; context_lens [b] int32; tables [b, w] int32; pending: the previous
     step's sampled tokens (int64 [S]) or None. out: the static buffers "input_ids", "positions", "slot_mapping"
@@ -19,9 +24,7 @@ def load_decode_inputs_ref(ids, positions, slots, source, pending, context_lens,
     tables[i] in its first w entries (the rest keeps older entries: kernels read only the first context_lens[i]
     keys). Padding rows b..bs store nothing (slot -1) and attend to one key (context length 1)."""
     b, w = tables.shape
-    if pending is not None:
-        ids = torch.where(source >= 0, pending[source.clamp(min=0)], ids)
-    out["input_ids"][:b] = ids
+    out["input_ids"][:b] = ids if pending is None else merge_pending(ids, source, pending)
     out["positions"][:b] = positions
     out["slot_mapping"][:b] = slots
     out["slot_mapping"][b:] = -1
@@ -58,7 +61,8 @@ def _load_kernel(ids_ptr, pos_ptr, slot_ptr, src_ptr, pending_ptr, lens_ptr, tab
 
 
 def load_decode_inputs(ids, positions, slots, source, pending, context_lens, tables, out: dict) -> None:
-    """load_decode_inputs_ref's contract, one launch (Triton) for CUDA tensors or under the interpreter."""
+    """load_decode_inputs_ref's contract, one launch (Triton) for CUDA tensors or under the interpreter (source is
+    not read without pending)."""
     if not use_triton(ids):
         return load_decode_inputs_ref(ids, positions, slots, source, pending, context_lens, tables, out)
     b, w = tables.shape

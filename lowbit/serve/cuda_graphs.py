@@ -9,7 +9,6 @@ host. Needs an attention backend whose decode path reads device tensors only.
 Graphs of at most ALL_EARLY_MAX_BATCH rows are captured with every Triton kernel launched early (PDL), so each
 kernel's launch overlaps the one before it.
 """
-import numpy as np
 import torch
 
 from lowbit.kernels._triton import all_kernels_early
@@ -93,11 +92,11 @@ class DecodeGraphs:
         PendingTokens its inputs merge in, or None. One kernel writes the static buffers, then the graph replays."""
         b = len(host.context_lens)
         bs = next(s for s in self.sizes if s >= b)
-        source = host.pending_source if pending is not None else np.full(b, -1, np.int64)
-        ids, positions, slots, source, context_lens, tables = upload(
-            [host.input_ids, host.positions, host.slot_mapping, source, host.context_lens, host.block_tables])
-        load_decode_inputs(ids, positions, slots, source, pending.tokens if pending is not None else None,
-                           context_lens, tables, self._static(bs))
+        ids, positions, slots, context_lens, tables, *source = upload(
+            [host.input_ids, host.positions, host.slot_mapping, host.context_lens, host.block_tables]
+            + ([host.pending_source] if pending is not None else []))
+        load_decode_inputs(ids, positions, slots, source[0] if source else ids,
+                           pending.tokens if pending is not None else None, context_lens, tables, self._static(bs))
         key = (bs, bs in self.long_sizes and max(host.context_lens_cpu) > long_context(bs))
         self.graphs[key].replay()
         return self.logits[key][:b]

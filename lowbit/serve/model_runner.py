@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from lowbit.checkpoint import Checkpoint
+from lowbit.kernels.decode_inputs import merge_pending
 from lowbit.serve.attention import Attention
 from lowbit.serve.config import EngineConfig
 from lowbit.serve.context import StepContext
@@ -112,16 +113,13 @@ class ModelRunner:
         return HostInputs(input_ids, positions, slots, logits_indices, source, qsl.astype(np.int32),
                           ctx_lens.astype(np.int32), tables, batch.is_decode, list(counts), ctx_lens.tolist())
 
-    def prepare(self, batch: Batch, logit_rows: list[list[int]], pending: "PendingTokens | None" = None,
-                host: "HostInputs | None" = None) -> tuple[torch.Tensor, StepContext]:
-        """host_inputs (or host, already built from these arguments) on the device, one copy: input ids [T] int64
-        and the step context."""
-        h = host or self.host_inputs(batch, logit_rows, pending)
+    def device_inputs(self, h: "HostInputs", pending: "PendingTokens | None") -> tuple[torch.Tensor, StepContext]:
+        """A step's host arrays on the device in one copy, the tokens still on the device merged in."""
         ids, positions, slots, logits_indices, qsl, ctx_lens, tables, *source = self.upload(
             [h.input_ids, h.positions, h.slot_mapping, h.logits_indices, h.query_start_loc, h.context_lens,
              h.block_tables] + ([h.pending_source] if pending is not None else []))
         if pending is not None:
-            ids = torch.where(source[0] >= 0, pending.tokens[source[0].clamp(min=0)], ids)
+            ids = merge_pending(ids, source[0], pending.tokens)
         ctx = StepContext(positions=positions, slot_mapping=slots, query_start_loc=qsl, context_lens=ctx_lens,
                           block_tables=tables, logits_indices=logits_indices, is_decode=h.is_decode,
                           query_lens_cpu=h.query_lens_cpu, context_lens_cpu=h.context_lens_cpu)
@@ -150,7 +148,7 @@ class ModelRunner:
         host = self.host_inputs(batch, logit_rows, pending)
         if self.graphs is not None and self.graphs.can_run(host):
             return self.graphs.run(host, self.upload, pending)
-        input_ids, ctx = self.prepare(batch, logit_rows, pending, host)
+        input_ids, ctx = self.device_inputs(host, pending)
         hidden = self.model(input_ids, ctx)
         if len(ctx.logits_indices) < len(input_ids):  # else every row, in order
             hidden = hidden[ctx.logits_indices]
