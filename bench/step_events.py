@@ -16,6 +16,7 @@ from lowbit.bench_cli import load_script  # noqa: E402
 from lowbit.serve.sampling_params import SamplingParams  # noqa: E402
 
 STEPS = 20
+FORMATS = ("bf16", "fp8", "int4_awq", "nvfp4")
 
 
 def traced_events(engine, prompt) -> list[tuple[float, float, str]]:
@@ -40,13 +41,16 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="bf16,int4_awq")
     ap.add_argument("--out-dir", default="out")
     args = ap.parse_args(argv)
+    formats = args.formats.split(",")
+    if any(f not in FORMATS for f in formats):
+        ap.error(f"--formats: each of {','.join(FORMATS)}, got {args.formats!r}")
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
         return 2
     sb = load_script("serve_bench.py")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for fmt in args.formats.split(","):
+    for fmt in formats:
         engine = sb.build_engine(sb.parse(["--max-batch-size", "64"]), fmt)
         events = traced_events(engine, sb.random_prompts(1, 128, engine.runner.model.config["vocab_size"], 3)[0])
         lines, reach, per_name = [], events[0][0], collections.defaultdict(lambda: [0, 0.0])
