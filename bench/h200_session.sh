@@ -13,7 +13,7 @@
 #   bash bench/h200_session.sh splits   # decode attention at batch 1-16: the context-split counts, short and long
 #   bash bench/h200_session.sh dense    # the batch-1 bf16 GEMV and its FP8 variant (routed for small layers)
 #   bash bench/h200_session.sh m2       # the W4 GEMV on two x rows vs w4_small_m / tensor cores; batch-2 decode steps
-#   bash bench/h200_session.sh norms    # RMSNorms folded into the bf16 GEMVs: layer chain, engine check, ITL A / B
+#   bash bench/h200_session.sh itl      # batch-1 ITL of every format (bench/batch1_itl.py)
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -149,26 +149,12 @@ ncu)
         grep -E "^ +(Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|No Eligible) " "$OUT/$name.txt"
     done
     ;;
-norms)
-    part "the batch-1 bf16 layer chain with its RMSNorms folded into the GEMVs, checked, then timed"
-    timeout 200 python3 bench/fused_norm_bench.py 2>&1 | grep -E 'check|FAIL|early'
-    fold="from lowbit.serve.models import llama; llama.FOLD_NORMS_AT_ONE_ROW = True
-from lowbit.bench_cli import load_script"
-    part "the engine with the norms folded at batch 1 (bf16) against the reference path, then its batch-1 ITL"
-    timeout 120 python3 -c "$fold
-load_script('serve_diag.py').main(['--phases', 'check', '--formats', 'bf16'])" 2>&1 | grep '"format"' | cut -c1-300
-    timeout 150 python3 -c "$fold
-load_script('batch1_itl.py').main(['--formats', 'bf16'])" 2>&1 | grep '"format"'
-    part "the same with SiLU-and-mul folded into the gate/up GEMV too (FOLD_SILU_AT_ONE_ROW): check, then ITL"
-    timeout 270 python3 -c "$fold
-llama.FOLD_SILU_AT_ONE_ROW = True
-load_script('serve_diag.py').main(['--phases', 'check', '--formats', 'bf16'])
-load_script('batch1_itl.py').main(['--formats', 'bf16'])" 2>&1 | grep '"format"' | cut -c1-300
-    part "batch-1 ITL of every format, norms not folded (this tree's default)"
+itl)
+    part "batch-1 ITL of every format (ISL 128, OSL 256, three requests each)"
     timeout 300 python3 bench/batch1_itl.py --formats bf16,int4_awq,nvfp4,fp8 2>&1 | grep '"format"'
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|norms" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl" >&2
     exit 2
     ;;
 esac

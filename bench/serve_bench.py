@@ -34,7 +34,6 @@ from lowbit.serve import layers as layers_mod  # noqa: E402
 from lowbit.serve.config import EngineConfig  # noqa: E402
 from lowbit.serve.dummy_weights import FORMATS, LLAMA_3_1_8B, dummy_checkpoint  # noqa: E402
 from lowbit.serve.engine import Engine  # noqa: E402
-from lowbit.serve.models import llama as llama_mod  # noqa: E402
 from lowbit.serve.sampling_params import SamplingParams  # noqa: E402
 
 TINY = dict(LLAMA_3_1_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -215,10 +214,11 @@ def fp8_linear_fp32(x, p, bias, out_dtype):
 LAYER_OPS = ("dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul")  # the kernel ops layers call
 
 
-def dense_linear_fp32(x, weight, bias=None):
-    """An unquantized linear in fp32 math, rounded to x's dtype."""
-    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    return y.to(x.dtype)
+def dense_linear_fp32(x, weight, bias=None, silu_mul=False):
+    """An unquantized linear in fp32 math, rounded to x's dtype (then silu_and_mul's reference, silu_mul)."""
+    from lowbit.kernels import silu_and_mul_ref
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return silu_and_mul_ref(y) if silu_mul else y
 
 
 @contextmanager
@@ -240,8 +240,7 @@ def reference_path(engine, reader_rounding: bool = False):
         return linear_ref(x, p, bias, out_dtype)
 
     saved = {n: getattr(layers_mod, n) for n in LAYER_OPS}
-    backend, graphs, folds = attn_mod._backend, engine.runner.graphs, llama_mod.FOLD_NORMS_AT_ONE_ROW
-    llama_mod.FOLD_NORMS_AT_ONE_ROW = False  # its one-row path calls the GEMV kernels itself
+    backend, graphs = attn_mod._backend, engine.runner.graphs
     layers_mod.dense_linear, layers_mod.quant_linear, layers_mod.rms_norm = dense_linear_fp32, ref_linear, rms_norm_ref
     layers_mod.rotary, layers_mod.silu_and_mul = rotary_ref, silu_and_mul_ref  # rotary_store_kv: the backend's
     attn_mod.set_attention_backend(attn_mod.TorchAttentionBackend() if reader_rounding else Fp32KvAttention())
@@ -252,7 +251,7 @@ def reference_path(engine, reader_rounding: bool = False):
         for n, f in saved.items():
             setattr(layers_mod, n, f)
         attn_mod.set_attention_backend(backend)
-        engine.runner.graphs, llama_mod.FOLD_NORMS_AT_ONE_ROW = graphs, folds
+        engine.runner.graphs = graphs
 
 
 def greedy_with_logits(engine, prompts, osl, forced: list[list[int]] | None = None):

@@ -53,6 +53,19 @@ def test_plain_layers(algo):
     assert rel_err(y, x.float() @ t["weight"].float().t()) < 1e-3
 
 
+def test_dense_silu_mul_on_cpu_is_silu_and_mul_of_the_linear():
+    """silu_mul (a merged gate/up layer; one kernel at one row on the GPU): off the GPU, silu_and_mul's reference
+    of the layer's output, at one row and several."""
+    from lowbit.kernels import dense_linear, silu_and_mul_ref
+
+    t = _layer("bf16", n=64)
+    bias = torch.randn(64).half()
+    for x in (torch.randn(1, 256).half(), torch.randn(3, 256).half()):
+        y = dense_linear(x, t["weight"], bias, silu_mul=True)
+        assert y.shape == (x.shape[0], 32)
+        assert torch.equal(y, silu_and_mul_ref(torch.nn.functional.linear(x, t["weight"], bias)))
+
+
 def test_unknown_algo_is_refused():
     with pytest.raises(ValueError, match="unsupported quant_algo"):
         prepare_linear("W3A5", {"weight": torch.zeros(2, 2)}, "cpu")

@@ -8,12 +8,14 @@ as lowbit.kernels.w4_gemv's words). The next step's weights are loaded while thi
 is loaded before the PDL wait (lowbit.kernels._triton), so its weights stream while the kernel before finishes.
 Per weight: one conversion to fp32 and one FMA. bf16 is bound by HBM (3.4-4.4 TB/s on the H200); FP8's conversion
 takes ~5 instructions per weight offline, so it may be bound by issue (docs/kernels_notes.md). A two-row form lost
-to cuBLAS at M = 2 (benchmarks.md run 41) and was removed.
+to cuBLAS at M = 2 (benchmarks.md run 41) and was removed. silu_mul: a merged gate/up GEMV stores silu(gate) x up
+(the engine's bf16 batch-1 step: 4.139 -> 4.112 ms on the H200, benchmarks.md run 43).
 """
 import torch
 import torch.nn.functional as F
 
 from lowbit.kernels._triton import cdiv, early_kernel, on_gpu, tl, use_triton, wait_for_producers
+from lowbit.kernels.activation import silu_and_mul, silu_and_mul_ref
 
 STEP_BYTES, WARPS = 2048, 4  # per row and K step: 1024 bf16 or 2048 FP8 elements
 MAX_PROGRAMS_AT_4_ROWS = 1024
@@ -28,43 +30,31 @@ def gemv_config(n: int, element_size: int = 2) -> tuple[int, int, int]:
     return (4 if cdiv(n, 4) <= MAX_PROGRAMS_AT_4_ROWS else 8), STEP_BYTES // element_size, WARPS
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), run by the GEMV when x is one bf16 / fp16 row on the GPU (decode at batch 1)."""
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 silu_mul: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias), run by the GEMV when x is one bf16 / fp16 row on the GPU (decode at batch 1).
+    silu_mul: weight is a merged gate/up [2D, K] and the result silu_and_mul of it, [..., D] (one launch at one row:
+    the GEMV's epilogue)."""
     if on_gpu(x) and x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16) \
             and weight.dtype == x.dtype:
-        return dense_gemv(x.reshape(1, -1), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+        return dense_gemv(x.reshape(1, -1), weight, bias, silu_mul=silu_mul).reshape(*x.shape[:-1], -1)
+    y = F.linear(x, weight, bias)
+    return silu_and_mul(y) if silu_mul else y
 
 
-def dense_gemv(x, weight, bias=None, config=None, norm=None, residual=None, silu_mul=False):
+def dense_gemv(x, weight, bias=None, config=None, silu_mul=False):
     """x [1, K] bf16/fp16, weight [N, K] of x's dtype -> [1, N] in x's dtype (fp32 sums).
     config (BLOCK_N, BLOCK_K, num_warps), default gemv_config(N); BLOCK_K / 8 a multiple of 32 x num_warps.
-    norm (sum_sq, norm_weight, eps): x is RMS-normalized first, as rms_norm does, from sum_sq (fp32 [1], the sum of
-    x's squares) instead of a reduction over x: every program normalizes only the x values it reads.
-    residual (r, sum_sq_out): the output is y + r (y rounded to x's dtype first, as rms_norm's residual add sees it),
-    and the sum of its squares is added to sum_sq_out (fp32 [1], zeroed by the caller) by one atomic per program.
     silu_mul: weight is a merged gate/up [2D, K]; the output is silu_and_mul of the GEMV's [1, 2D] output, [1, D]
     (each program takes BLOCK_N / 2 gate rows and the matching up rows)."""
     assert x.shape[0] == 1 and weight.dtype == x.dtype and weight.shape[1] == x.shape[1], (x.shape, weight.shape)
-    assert not (silu_mul and residual is not None), "silu_mul and residual: one epilogue"
-    return _launch(x, weight, None, None, bias, x.dtype, config, norm, residual, silu_mul)
+    return _launch(x, weight, None, None, bias, x.dtype, config, silu_mul)
 
 
-def dense_gemv_ref(x, weight, bias=None, norm=None, residual=None, silu_mul=False):
-    """dense_gemv's contract in torch (sum_sq_out += the new residual's sum of squares)."""
-    if norm is not None:
-        sum_sq, norm_weight, eps = norm
-        inv_rms = torch.rsqrt(sum_sq.float() / x.shape[-1] + eps)
-        x = (norm_weight.float() * (x.float() * inv_rms).to(x.dtype).float()).to(x.dtype)
+def dense_gemv_ref(x, weight, bias=None, silu_mul=False):
+    """dense_gemv's contract in torch."""
     y = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    if residual is not None:
-        r, sum_sq_out = residual
-        y = (y.float() + r.float()).to(x.dtype)
-        sum_sq_out += y.float().pow(2).sum()
-    if silu_mul:
-        d = y.shape[-1] // 2
-        y = (F.silu(y[..., :d].float()) * y[..., d:].float()).to(x.dtype)
-    return y
+    return silu_and_mul_ref(y) if silu_mul else y
 
 
 def fp8_gemv(q, weight, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, config=None):
@@ -76,7 +66,7 @@ def fp8_gemv(q, weight, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, c
     return _launch(q, weight, scale_a.float().reshape(1), scale_b.float().reshape(-1), bias, out_dtype, config)
 
 
-def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config, norm=None, residual=None, silu_mul=False):
+def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config, silu_mul=False):
     assert use_triton(x)
     vec = 16 // weight.element_size()
     block_n, block_k, warps = config or gemv_config(weight.shape[0], weight.element_size())
@@ -87,25 +77,20 @@ def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config, norm=None, res
     assert not silu_mul or N % 2 == 0, N
     out = torch.empty(1, N // 2 if silu_mul else N, dtype=out_dtype, device=x.device)
     scaled = scale_a is not None
-    sum_sq, norm_weight, eps = norm or (out, out, 0.0)
-    r, sum_sq_out = residual or (out, out)
     _dense_gemv_kernel[(cdiv(N, block_n),)](
         x, weight, scale_a if scaled else out, scale_b if scaled else out, bias if bias is not None else out, out, N,
-        K, sum_sq, norm_weight, eps, r, sum_sq_out, HAS_BIAS=bias is not None, SCALED=scaled,
-        ROW_SCALES=scaled and scale_b.numel() > 1, NORM_X=norm is not None, ADD_RESIDUAL=residual is not None,
-        SILU_MUL=silu_mul, VEC=vec, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps)
+        K, HAS_BIAS=bias is not None, SCALED=scaled, ROW_SCALES=scaled and scale_b.numel() > 1, SILU_MUL=silu_mul,
+        VEC=vec, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps)
     return out
 
 
 @early_kernel
-def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, ss_ptr, nw_ptr, eps, res_ptr,
-                       ss_out_ptr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, ROW_SCALES: tl.constexpr,
-                       NORM_X: tl.constexpr, ADD_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, VEC: tl.constexpr,
+def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, HAS_BIAS: tl.constexpr,
+                       SCALED: tl.constexpr, ROW_SCALES: tl.constexpr, SILU_MUL: tl.constexpr, VEC: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """out[0, n] for BLOCK_N rows n (clamped for the loads, masked at the store). EVEN_K: BLOCK_K | K. SCALED: times
-    sa[0] and sb[0] (or sb[n], ROW_SCALES). NORM_X: x RMS-normalized from ss[0] and the norm weight nw on load.
-    ADD_RESIDUAL: out = y + res, and ss_out[0] += the sum of out's squares. SILU_MUL: rows are gate rows
-    pid * BLOCK_N / 2 + j and their up rows N / 2 later; out[pid * BLOCK_N / 2 + j] = silu(gate) * up (dense_gemv)."""
+    sa[0] and sb[0] (or sb[n], ROW_SCALES). SILU_MUL: rows are gate rows pid * BLOCK_N / 2 + j and their up rows
+    N / 2 later; out[pid * BLOCK_N / 2 + j] = silu(gate) * up (dense_gemv)."""
     C: tl.constexpr = BLOCK_K // VEC
     pid_n = tl.program_id(0)
     if SILU_MUL:
@@ -126,8 +111,6 @@ def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, ss
     else:
         w = tl.load(w_ptrs, mask=kk < K, other=0.0, cache_modifier=".cg")
     wait_for_producers(PDL)
-    if NORM_X:
-        inv_rms = 1.0 / tl.sqrt(tl.load(ss_ptr) / K + eps)
     for kb in range(0, n_steps):
         k0 = kb * BLOCK_K
         k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
@@ -137,9 +120,6 @@ def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, ss
         else:
             w_next = tl.load(w_ptrs + k_next, mask=k_next + kk < K, other=0.0, cache_modifier=".cg")
             xs = tl.load(x_ptr + k0 + kk, mask=k0 + kk < K, other=0.0)
-        if NORM_X:  # rms_norm's roundings: the normalized x, then times the weight, each in x's dtype
-            nw = tl.load(nw_ptr + k0 + kk, mask=k0 + kk < K, other=0.0).to(tl.float32)
-            xs = (nw * (xs.to(tl.float32) * inv_rms).to(xs.dtype).to(tl.float32)).to(xs.dtype)
         acc += tl.sum(w.to(tl.float32) * xs.to(tl.float32), axis=2)
         w = w_next
     out = tl.sum(acc, axis=0)
@@ -152,10 +132,6 @@ def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, ss
     if HAS_BIAS:
         out += tl.load(bias_ptr + n_rows).to(tl.float32)
     out = out.to(out_ptr.dtype.element_ty)
-    if ADD_RESIDUAL:  # rms_norm's residual add, and this program's share of the sum of squares
-        out = (out.to(tl.float32) + tl.load(res_ptr + n_rows).to(tl.float32)).to(out_ptr.dtype.element_ty)
-        sq = out.to(tl.float32)
-        tl.atomic_add(ss_out_ptr, tl.sum(tl.where(offs_n < N, sq * sq, 0.0), axis=0), sem="relaxed")
     if SILU_MUL:  # silu_and_mul's math on the rounded gate / up pairs: [BLOCK_N] -> [2, HALF]
         pair = tl.reshape(out.to(tl.float32), (2, HALF))
         half = tl.arange(0, 2)[:, None]

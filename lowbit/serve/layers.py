@@ -43,10 +43,13 @@ class Linear(nn.Module):
         p = self.prepared
         return p.input_scale if p is not None and p.algo == "FP8" and p.input_scale is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """silu_mul: this is a merged gate/up layer [..., 2D] and the result silu_and_mul of its output, [..., D]
+        (one launch for an unquantized layer at one row on the GPU: the GEMV's epilogue)."""
         if self.algo is None:
-            return dense_linear(x, self.weight, self.bias)
-        return quant_linear(x, self.prepared, self.bias, out_dtype=self.dtype)
+            return dense_linear(x, self.weight, self.bias, silu_mul=silu_mul)
+        y = quant_linear(x, self.prepared, self.bias, out_dtype=self.dtype)
+        return silu_and_mul(y) if silu_mul else y
 
 
 class MergedLinear(nn.Module):

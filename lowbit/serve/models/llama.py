@@ -10,18 +10,9 @@ next linear is static FP8, the norm (or silu) before it writes its output alread
 import torch
 from torch import nn
 
-from lowbit.kernels._triton import use_triton
-from lowbit.kernels.dense_gemv import dense_gemv
 from lowbit.serve.attention import Attention
 from lowbit.serve.context import StepContext
 from lowbit.serve.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
-
-
-# One row (batch-1 decode) of an unquantized model with Triton: fold the norms into the GEMVs (LlamaModel.
-# forward_one_row). Off until bench/fused_norm_bench.py and bench/batch1_itl.py measure it on the H200
-# (docs/serve_gpu_notes.md, thirteenth session).
-FOLD_NORMS_AT_ONE_ROW = False
-FOLD_SILU_AT_ONE_ROW = False  # and in that path, SiLU-and-mul into the gate/up GEMV (dense_gemv's silu_mul=)
 
 
 class LlamaAttention(nn.Module):
@@ -68,9 +59,12 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        part_scales = self.gate_up_proj.part_scales
+        gate_up, quant_scale = self.gate_up_proj, self.down_proj.fp8_input_scale
+        part_scales = gate_up.part_scales
+        if gate_up.parts is None and part_scales is None and quant_scale is None:
+            return self.down_proj(gate_up.merged(x, silu_mul=True))  # bf16 at one row: SiLU in the GEMV's epilogue
         up_scale = None if part_scales is None else part_scales[1]
-        return self.down_proj(self.act(self.gate_up_proj(x), self.down_proj.fp8_input_scale, up_scale))
+        return self.down_proj(self.act(gate_up(x), quant_scale, up_scale))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -91,37 +85,6 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual, self.mlp.gate_up_proj.fp8_input_scale)
         return self.mlp(hidden), residual
 
-    @property
-    def norms_foldable(self) -> bool:
-        """Every linear unquantized and merged, and no q/k norms: forward_one_row applies."""
-        attn, mlp = self.self_attn, self.mlp
-        return attn.q_norm is None and all(m.parts is None and m.merged.algo is None
-                                           for m in (attn.qkv_proj, mlp.gate_up_proj)) and \
-            attn.o_proj.algo is None and mlp.down_proj.algo is None
-
-    def forward_one_row(self, hidden, residual, sums: torch.Tensor, ctx: StepContext):
-        """forward for one row with both norms folded into the GEMVs (dense_gemv's norm= and residual=): the GEMV
-        before a norm adds the residual and the sum of its squares, the GEMV after it normalizes x as it loads it.
-        residual None (the first layer): hidden is the embedding, and the input norm runs on its own. Else hidden is
-        None and residual is the whole stream, its sum of squares in sums[0]. Writes sums[1] and sums[2] (zeroed by
-        the caller) -> (None, the stream after this layer)."""
-        attn, mlp = self.self_attn, self.mlp
-        qkv, gate_up = attn.qkv_proj.merged, mlp.gate_up_proj.merged
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-            q_k_v = dense_gemv(hidden, qkv.weight, qkv.bias)
-        else:
-            norm = self.input_layernorm
-            q_k_v = dense_gemv(residual, qkv.weight, qkv.bias, norm=(sums[0:1], norm.weight, norm.eps))
-        out = attn.attn.forward_qkv(q_k_v, attn.rotary[0].cos_sin_cache, None, ctx)
-        residual = dense_gemv(out, attn.o_proj.weight, attn.o_proj.bias, residual=(residual, sums[1:2]))
-        norm = (sums[1:2], self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        if FOLD_SILU_AT_ONE_ROW:
-            act = dense_gemv(residual, gate_up.weight, gate_up.bias, norm=norm, silu_mul=True)
-        else:
-            act = mlp.act(dense_gemv(residual, gate_up.weight, gate_up.bias, norm=norm))
-        return None, dense_gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=(residual, sums[2:3]))
-
 
 class LlamaModel(nn.Module):
     def __init__(self, config: dict, **attn_kwargs):
@@ -137,24 +100,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        if self._folds_norms(hidden):
-            return self.forward_one_row(hidden, ctx)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, ctx)
         hidden, _ = self.norm(hidden, residual)
         return hidden
-
-    def _folds_norms(self, hidden: torch.Tensor) -> bool:
-        return FOLD_NORMS_AT_ONE_ROW and hidden.shape[0] == 1 and hidden.dtype in (torch.bfloat16, torch.float16) \
-            and use_triton(hidden) and all(layer.norms_foldable for layer in self.layers)
-
-    def forward_one_row(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """forward of one row, every layer's norms folded into its GEMVs (LlamaDecoderLayer.forward_one_row)."""
-        sums = torch.zeros(2 * len(self.layers) + 1, dtype=torch.float32, device=hidden.device)  # per norm, fp32
-        residual = None
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer.forward_one_row(hidden, residual, sums[2 * i:2 * i + 3], ctx)
-        return self.norm(residual)
 
 
 class LlamaForCausalLM(nn.Module):
