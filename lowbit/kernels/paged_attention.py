@@ -311,8 +311,10 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
                    BS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
                    QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
     """Program (b, kv head, split): the G query heads of one KV head over one slice of the context (_chunk).
-    BLOCKS: tiles gathered block by block (DecodeVariant.blocks), else row by row."""
-    wait_for_producers(PDL)
+    BLOCKS: tiles gathered block by block (DecodeVariant.blocks), else row by row.
+    The context length, the first tile's block ids and the KV scales are loaded before the PDL wait: no kernel of a
+    step writes them (they are uploaded before it), so under PDL these loads overlap the kernel before; q and the
+    K / V rows (the new token's among them) wait. An idle split returns before it."""
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -330,19 +332,22 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
     offs_d = tl.arange(0, D)
     heads = kvh * G + offs_g
     mask_g = offs_g < G
-    q = tl.load(q_ptr + (b * HQ + heads)[:, None] * D + offs_d[None, :], mask=mask_g[:, None], other=0.0)
     k_scale, v_scale = 1.0, 1.0
-    if FP8:  # FP8 K/V become fp16 (exact; a native conversion on Hopper), so q and P run in fp16
+    if FP8:
         k_scale, v_scale = tl.load(ks_ptr), tl.load(vs_ptr)
+    bt_row = b * bt_stride
+    NB: tl.constexpr = BLOCK_N // BS
+    last = tl.maximum(end - 1, 0)
+    if BLOCKS:
+        blk = _block_ids(bt_ptr, bt_row, start, last, BS, NB)
+    wait_for_producers(PDL)
+    q = tl.load(q_ptr + (b * HQ + heads)[:, None] * D + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+    if FP8:  # FP8 K/V become fp16 (exact; a native conversion on Hopper), so q and P run in fp16
         q = q.to(tl.float16)
     m = tl.full([GP], float("-inf"), tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    bt_row = b * bt_stride
     if BLOCKS:
-        NB: tl.constexpr = BLOCK_N // BS
-        last = tl.maximum(end - 1, 0)
-        blk = _block_ids(bt_ptr, bt_row, start, last, BS, NB)
         for n0 in range(start, end, BLOCK_N):
             k, v = _kv_blocks(kv_ptr, blk, n0, last, kvh, half_stride, HKD, D, BS, NB, FP8)
             blk = _block_ids(bt_ptr, bt_row, n0 + BLOCK_N, last, BS, NB)  # loads during this tile's math
@@ -376,11 +381,12 @@ def _chunk(ctx_len, num_splits, BLOCK_N: tl.constexpr):
 def _combine_kernel(part_ptr, lse_ptr, ctx_ptr, os_ptr, out_ptr, num_splits, HQ: tl.constexpr,
                     D: tl.constexpr, SP: tl.constexpr, BLOCK_N: tl.constexpr, COMBINE_ROWS: tl.constexpr,
                     model_dtype: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr):
-    """Program (b * HQ + h): merges the partial outputs of the splits that ran, by their log-sum-exp."""
-    wait_for_producers(PDL)
+    """Program (b * HQ + h): merges the partial outputs of the splits that ran, by their log-sum-exp. The context
+    length is loaded before the PDL wait (as the decode kernel's), the partials after it."""
     row = tl.program_id(0).to(tl.int64)
     ctx_len = tl.load(ctx_ptr + row // HQ)
     ran = tl.maximum(tl.cdiv(ctx_len, _chunk(ctx_len, num_splits, BLOCK_N)), 1)
+    wait_for_producers(PDL)
     offs_s = tl.arange(0, SP)
     offs_d = tl.arange(0, D)
     lse = tl.load(lse_ptr + row * num_splits + offs_s, mask=offs_s < ran, other=float("-inf"))
