@@ -47,8 +47,8 @@ def rotary_qk_ref(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_
 @kernel
 def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cache_ptr, x_stride, H, HALF, BLOCK_H: tl.constexpr,
                    BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """Row t of x: its H heads rotated into out [T, H, 2*HALF] (contiguous)."""
-    wait_for_producers(PDL)
+    """Row t of x: its H heads rotated into out [T, H, 2*HALF] (contiguous). The position and its cos / sin rows are
+    loaded before the PDL wait (step inputs and a constant cache), x after it."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -56,6 +56,7 @@ def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cache_ptr, x_stride, H, HALF, BLOCK_
     d_mask = d < HALF
     cos = tl.load(cache_ptr + pos * 2 * HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(cache_ptr + pos * 2 * HALF + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    wait_for_producers(PDL)
     in_offs = t * x_stride + h[:, None] * 2 * HALF + d[None, :]
     mask = (h[:, None] < H) & d_mask[None, :]
     x1 = tl.load(x_ptr + in_offs, mask=mask, other=0.0).to(tl.float32)

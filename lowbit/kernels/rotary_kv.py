@@ -31,8 +31,8 @@ def _rotary_store_kv_kernel(x_ptr, q_ptr, kv_ptr, slot_ptr, pos_ptr, cs_ptr, ps_
                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Row t of x, heads BLOCK_H * program_id(1) and on: heads [0, HQ) rotated to q [T, HQ, 2*HALF]; heads
     [HQ, HQ+HK) rotated and [HQ+HK, HQ+2HK) as they are to kv_cache half 0 and 1 at slot t; with SCALED, part p's
-    heads first multiplied by ps_ptr[p]."""
-    wait_for_producers(PDL)
+    heads first multiplied by ps_ptr[p]. Positions, slots, the cos / sin rows and the scales are loaded before the
+    PDL wait (no kernel of a step writes them: lowbit.kernels.paged_attention's decode does the same); x after it."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -42,15 +42,19 @@ def _rotary_store_kv_kernel(x_ptr, q_ptr, kv_ptr, slot_ptr, pos_ptr, cs_ptr, ps_
     cos = tl.load(cs_ptr + pos * 2 * HALF + d, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(cs_ptr + pos * 2 * HALF + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
     mask = (h < HQ + 2 * HK) & d_mask
+    is_q = h < HQ
+    is_v = h >= HQ + HK
+    if SCALED:
+        part = (h >= HQ).to(tl.int32) + (h >= HQ + HK).to(tl.int32)
+        s = tl.load(ps_ptr + part).to(tl.float32)
+    if FP8:  # one division per program (k and v), not per element
+        inv = tl.where(is_v, tl.div_rn(1.0, tl.load(vs_ptr)), tl.div_rn(1.0, tl.load(ks_ptr)))
+    wait_for_producers(PDL)
     in_offs = t * x_stride + h * 2 * HALF + d
     x1 = tl.load(x_ptr + in_offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + in_offs + HALF, mask=mask, other=0.0).to(tl.float32)
     if SCALED:
-        part = (h >= HQ).to(tl.int32) + (h >= HQ + HK).to(tl.int32)
-        s = tl.load(ps_ptr + part).to(tl.float32)
         x1, x2 = x1 * s, x2 * s
-    is_q = h < HQ
-    is_v = h >= HQ + HK
     y1 = tl.where(is_v, x1, x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty)  # rounded to the model dtype
     y2 = tl.where(is_v, x2, x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty)
     q_offs = t * HQ * 2 * HALF + h * 2 * HALF + d
@@ -60,8 +64,6 @@ def _rotary_store_kv_kernel(x_ptr, q_ptr, kv_ptr, slot_ptr, pos_ptr, cs_ptr, ps_
         kv_head = tl.where(is_v, h - HQ - HK, h - HQ)
         dst = kv_ptr + tl.where(is_v, half_stride, 0) + slot * HK * 2 * HALF + kv_head * 2 * HALF + d
         if FP8:
-            # one division per program (k and v), not per element
-            inv = tl.where(is_v, tl.div_rn(1.0, tl.load(vs_ptr)), tl.div_rn(1.0, tl.load(ks_ptr)))
             c1 = tl.minimum(tl.maximum(y1.to(tl.float32) * inv, -448.0), 448.0).to(tl.float8e4nv)
             c2 = tl.minimum(tl.maximum(y2.to(tl.float32) * inv, -448.0), 448.0).to(tl.float8e4nv)
             # V transposed within its block (paged_attention's module docstring): dims HALF apart are HALF * BS apart
