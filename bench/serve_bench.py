@@ -28,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lowbit.bench_cli import int_list  # noqa: E402
+from lowbit.kernels import silu_and_mul_ref  # noqa: E402
 from lowbit.kernels.norm import quantize_fp8_ref  # noqa: E402
 from lowbit.serve import attention as attn_mod  # noqa: E402
 from lowbit.serve import layers as layers_mod  # noqa: E402
@@ -216,7 +217,6 @@ LAYER_OPS = ("dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul
 
 def dense_linear_fp32(x, weight, bias=None, silu_mul=False):
     """An unquantized linear in fp32 math, rounded to x's dtype (then silu_and_mul's reference, silu_mul)."""
-    from lowbit.kernels import silu_and_mul_ref
     y = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return silu_and_mul_ref(y) if silu_mul else y
 
@@ -227,7 +227,7 @@ def reference_path(engine, reader_rounding: bool = False):
     static FP8 linears and FP8 KV attention as fp32 math on the FP8 codes, which is what the kernels compute).
     reader_rounding: FP8 as the checkpoint reader computes it instead (dequantized activations and K/V rounded to
     bf16 first, as modelopt's fake quantization does)."""
-    from lowbit.kernels import linear_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref
+    from lowbit.kernels import linear_ref, rms_norm_ref, rotary_ref
 
     weight_only = {}
 

@@ -336,9 +336,9 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
     if FP8:
         k_scale, v_scale = tl.load(ks_ptr), tl.load(vs_ptr)
     bt_row = b * bt_stride
-    NB: tl.constexpr = BLOCK_N // BS
-    last = tl.maximum(end - 1, 0)
     if BLOCKS:
+        NB: tl.constexpr = BLOCK_N // BS
+        last = tl.maximum(end - 1, 0)
         blk = _block_ids(bt_ptr, bt_row, start, last, BS, NB)
     wait_for_producers(PDL)
     q = tl.load(q_ptr + (b * HQ + heads)[:, None] * D + offs_d[None, :], mask=mask_g[:, None], other=0.0)
