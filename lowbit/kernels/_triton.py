@@ -127,17 +127,5 @@ def cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-_SM_COUNT: dict = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 4 for CPU tensors (the interpreter's tests)."""
-    if device.type != "cuda":
-        return 4
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]
-
-
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())

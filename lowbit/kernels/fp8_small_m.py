@@ -23,7 +23,7 @@ serialize, so one workspace per device serves every layer.
 """
 import torch
 
-from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, sm_count, tl, use_triton, wait_for_producers
+from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton, wait_for_producers
 
 MAX_M = 32
 PROMOTE_K = 32  # K elements the tensor core sums at its reduced precision before adding into fp32 (benchmarks.md run 9)
@@ -171,6 +171,17 @@ def _workspace(device, floats: int):
 
 # ---- configs
 # (BLOCK_N, BLOCK_K, PROGRAMS, num_warps, num_stages); PROGRAMS 0 = one program per N tile (no shared tiles).
+_SM_COUNT: dict = {}
+
+
+def sm_count(device) -> int:
+    if device.type != "cuda":
+        return 4
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device]
+
+
 def choose_config(M: int, N: int, K: int, sms: int = 132):
     """From the H200 sweep of 48 configs per Llama-3.1-8B shape at M = 1 and 16 (docs/kernels_notes.md "FP8 small-M
     GEMM"): 64 x 256 tiles, 4 warps; six weight tiles in flight (one program per SM) when the N tiles fit one wave,

@@ -28,42 +28,36 @@ H200, Llama-3.1-8B shapes, per token: INT4 2.4x and NVFP4 1.9x cuBLAS bf16, 1.8x
 """
 import torch
 
-from lowbit.kernels._triton import (cdiv, early_kernel, helper, interpreting, sm_count, tl, use_triton,
-                                    wait_for_producers)
+from lowbit.kernels._triton import cdiv, early_kernel, helper, interpreting, tl, use_triton, wait_for_producers
 
 GEMV_MAX_M = 2  # w4a16_gemm dispatches M <= this to the GEMV. At M = 2, per token of Llama-3.1-8B (H200, run 41):
 # INT4 2.26 ms against w4_small_m's 2.88, NVFP4 2.51 against the tensor-core kernel's 4.28
-GEMV_CONFIG = (8, 2048, 2)  # (BLOCK_N, BLOCK_K, num_warps[, P]): best of the H200 sweep for both formats (128
-# registers; BLOCK_K 2048 divides every KP of Llama-3.1-8B: no masked step). P (default 0): at most P programs per SM,
-# each taking every G-th row block (G programs); 0: one program per row block
+GEMV_CONFIG = (8, 2048, 2)  # (BLOCK_N, BLOCK_K, num_warps): best of the H200 sweep for both formats (128 registers;
+# BLOCK_K 2048 divides every KP of Llama-3.1-8B: no masked step)
 GEMV_CONFIG_M2 = {"int4": (8, 2048, 2), "nvfp4": (4, 2048, 2)}  # M = 2: each format's best of the run-41 sweep
 
 
 def w4_gemv(x, w, bias=None, config=None):
     """x [M, K] bf16/fp16/fp32, M = 1 or 2 -> [M, N] in x's dtype, w a lowbit.kernels.w4a16.W4Weight. Two rows share
-    each dequantized weight (one more FMA per weight and row). config (BLOCK_N, BLOCK_K, num_warps[, P]), default
-    GEMV_CONFIG (M = 1) or GEMV_CONFIG_M2[w.fmt]; BLOCK_K a multiple of 1024 x num_warps; P as in GEMV_CONFIG."""
+    each dequantized weight (one more FMA per weight and row). config (BLOCK_N, BLOCK_K, num_warps), default
+    GEMV_CONFIG (M = 1) or GEMV_CONFIG_M2[w.fmt]; BLOCK_K a multiple of 1024 x num_warps."""
     assert use_triton(x)
     x = x.contiguous()
     M, K = x.shape
     assert M in (1, 2), "the GEMV takes M = 1 or 2"
-    block_n, block_k, warps, *rest = config or (GEMV_CONFIG if M == 1 else GEMV_CONFIG_M2[w.fmt])
-    per_sm = rest[0] if rest else 0
+    block_n, block_k, warps = config or (GEMV_CONFIG if M == 1 else GEMV_CONFIG_M2[w.fmt])
     assert block_k % (1024 * warps) == 0, (block_k, warps)  # C = BLOCK_K / 32 chunks cover all threads
     assert block_n % 4 == 0, block_n  # INT4 scales of 4 rows per load
     if w.fmt == "int4":
         assert w.group % 16 == 0, w.group  # at most two scales per 32-wide chunk
     N, KP = w.out_features, w.qweight.shape[1] * 8
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    n_programs = cdiv(N, block_n)
-    if per_sm:
-        n_programs = min(n_programs, per_sm * sm_count(x.device))
-    _w4_gemv_kernel[(n_programs,)](
+    _w4_gemv_kernel[(cdiv(N, block_n),)](
         x, w.qweight, w.scales, w.smooth if w.smooth is not None else x, bias if bias is not None else x, out,
         N, K, KP, KP // 8, w.global_scale * (2.0**14 if w.fmt == "nvfp4" else 1.0), 0x43800000,
         IS_FP4=w.fmt == "nvfp4", GROUP=w.group, HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=KP % block_k == 0, EVEN_N=N % block_n == 0, MASK_X=K % block_k != 0,
-        M2=M == 2, USE_ASM=not interpreting(), PERSIST=per_sm > 0, num_warps=warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=KP % block_k == 0, MASK_X=K % block_k != 0,
+        M2=M == 2, USE_ASM=not interpreting(), num_warps=warps)
     return out
 
 
@@ -286,27 +280,41 @@ def _step(acc, acc2, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4:
     return acc, acc2
 
 
-@helper
-def _block_rows(w_ptr, rb, words_k, N, w_stride, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
-    """Row block rb: its first row, its rows [BN] clamped to N - 1 (loads need no mask on N, the store is masked),
-    and word pointers [C, BN, 4] of its first K step; words_k [C, 1, 4]: the word offsets within a row (int32)."""
-    offs_n0 = rb * BLOCK_N
-    n_rows = offs_n0 + tl.arange(0, BLOCK_N)
-    if EVEN_N:  # a scalar base (int64) + int32 offsets
-        rows_k = tl.arange(0, BLOCK_N)[None, :, None] * w_stride + words_k
-        return offs_n0, n_rows, w_ptr + offs_n0.to(tl.int64) * w_stride + rows_k
-    n_rows = tl.minimum(n_rows, N - 1)
-    return offs_n0, n_rows, w_ptr + n_rows.to(tl.int64)[None, :, None] * w_stride + words_k
-
-
-@helper
-def _store_rows(acc, acc2, rb, bias_ptr, out_ptr, N, global_scale, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                M2: tl.constexpr):
-    """out[m, rows of block rb] = the sums over K of acc (m = 0) and acc2 (m = 1, M2) x the global scale, + bias."""
-    offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+@early_kernel
+def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, N, K, KP, w_stride, global_scale, magic,
+                    IS_FP4: tl.constexpr, GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MASK_X: tl.constexpr,
+                    M2: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
+    """out[m, n] for BLOCK_N rows n, all of K, m = 0 (and 1, M2). EVEN_K: BLOCK_K | KP (no masked chunk); MASK_X:
+    K % BLOCK_K != 0 (x and pre_quant_scale masked past K; the padded weights past K are 0 anyway). The first step's
+    weights are loaded before waiting for x's producer (PDL)."""
+    C: tl.constexpr = BLOCK_K // 32
+    # magic = 0x43800000 (256.0f) from the host: an opaque value lives in a register, so that each nibble's mask and
+    # OR is one LOP3 (with two immediates ptxas emits two)
+    e256 = magic.to(tl.uint32, bitcast=True)
+    e16 = e256 - 0x02000000  # 16.0f
+    TWO_SCALES: tl.constexpr = IS_FP4 or GROUP < 32
+    pid_n = tl.program_id(0)
+    offs_n0 = pid_n * BLOCK_N
+    offs_n = offs_n0 + tl.arange(0, BLOCK_N)
+    n_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: loads need no mask on N, the store is masked
+    cc = tl.arange(0, C)
+    w_ptrs = w_ptr + n_rows[None, :, None] * w_stride + (4 * cc)[:, None, None] + tl.arange(0, 4)[None, None, :]
+    acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
+    acc2 = acc  # the second x row's sums (M2)
+    n_steps = tl.cdiv(KP, BLOCK_K)
+    words, sc = _load_step(w_ptrs, s_ptr, 0, cc, n_rows, offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
+    wait_for_producers(PDL)
+    for kb in range(0, n_steps):
+        k0 = kb * BLOCK_K  # (a multiple of BLOCK_K the compiler can see: aligned 16-byte x loads)
+        words_next, sc_next = _load_step(w_ptrs, s_ptr, tl.minimum(kb + 1, n_steps - 1) * BLOCK_K, cc, n_rows,
+                                         offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
+        acc, acc2 = _step(acc, acc2, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4, TWO_SCALES,
+                          HAS_SMOOTH, MASK_X, USE_ASM, M2)
+        words, sc = words_next, sc_next
     out = tl.sum(acc, axis=0) * global_scale
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + tl.minimum(offs_n, N - 1)).to(tl.float32)
+        bias = tl.load(bias_ptr + n_rows).to(tl.float32)
         out += bias
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
     if M2:
@@ -314,65 +322,3 @@ def _store_rows(acc, acc2, rb, bias_ptr, out_ptr, N, global_scale, HAS_BIAS: tl.
         if HAS_BIAS:
             out2 += bias
         tl.store(out_ptr + N + offs_n, out2.to(out_ptr.dtype.element_ty), mask=offs_n < N)
-
-
-@early_kernel
-def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, N, K, KP, w_stride, global_scale, magic,
-                    IS_FP4: tl.constexpr, GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                    MASK_X: tl.constexpr, M2: tl.constexpr, USE_ASM: tl.constexpr, PERSIST: tl.constexpr,
-                    PDL: tl.constexpr):
-    """out[m, n] for row block pid (PERSIST: the row blocks pid, pid + G, ... of G programs, their K steps as one
-    sequence), all of K, m = 0 (and 1, M2). The next K step's weights are loaded while this one is computed (PERSIST:
-    across row blocks too). EVEN_K: BLOCK_K | KP (no masked chunk); EVEN_N: BLOCK_N | N; MASK_X: K % BLOCK_K != 0
-    (x and pre_quant_scale masked past K; the padded weights past K are 0 anyway). The first step's weights are
-    loaded before waiting for x's producer (PDL)."""
-    C: tl.constexpr = BLOCK_K // 32
-    # magic = 0x43800000 (256.0f) from the host: an opaque value lives in a register, so that each nibble's mask and
-    # OR is one LOP3 (with two immediates ptxas emits two)
-    e256 = magic.to(tl.uint32, bitcast=True)
-    e16 = e256 - 0x02000000  # 16.0f
-    TWO_SCALES: tl.constexpr = IS_FP4 or GROUP < 32
-    pid = tl.program_id(0)
-    n_steps = tl.cdiv(KP, BLOCK_K)
-    cc = tl.arange(0, C)
-    words_k = (4 * cc)[:, None, None] + tl.arange(0, 4)[None, None, :]
-    offs_n0, n_rows, w_ptrs = _block_rows(w_ptr, pid, words_k, N, w_stride, BLOCK_N, EVEN_N)
-    acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
-    acc2 = acc  # the second x row's sums (M2)
-    words, sc = _load_step(w_ptrs, s_ptr, 0, cc, n_rows, offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
-    wait_for_producers(PDL)
-    if not PERSIST:  # one row block
-        for kb in range(0, n_steps):
-            k0 = kb * BLOCK_K  # (a multiple of BLOCK_K the compiler can see: aligned 16-byte x loads)
-            words_next, sc_next = _load_step(w_ptrs, s_ptr, tl.minimum(kb + 1, n_steps - 1) * BLOCK_K, cc, n_rows,
-                                             offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
-            acc, acc2 = _step(acc, acc2, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4, TWO_SCALES,
-                              HAS_SMOOTH, MASK_X, USE_ASM, M2)
-            words, sc = words_next, sc_next
-        _store_rows(acc, acc2, pid, bias_ptr, out_ptr, N, global_scale, HAS_BIAS, BLOCK_N, M2)
-    else:  # row blocks pid, pid + G, ...: their K steps as one sequence
-        n_programs = tl.num_programs(0)
-        total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, n_programs) * n_steps  # K steps of this program
-        kb = 0  # this step: K step kb of row block rb
-        rb = pid
-        for t in range(0, total):
-            last = kb == n_steps - 1  # the row block's last step
-            kb_next = tl.where(last, 0, kb + 1)
-            rb_next = tl.where(last, rb + n_programs, rb)
-            if t == total - 1:  # the program's last step reloads itself
-                kb_next = kb
-                rb_next = rb
-            # (new names: values carried from one step to the next cost registers)
-            next_n0, next_rows, next_ptrs = _block_rows(w_ptr, rb_next, words_k, N, w_stride, BLOCK_N, EVEN_N)
-            words_next, sc_next = _load_step(next_ptrs, s_ptr, kb_next * BLOCK_K, cc, next_rows, next_n0, N, KP,
-                                             IS_FP4, GROUP, EVEN_K)
-            acc, acc2 = _step(acc, acc2, words, sc, x_ptr, smooth_ptr, kb * BLOCK_K, cc, K, e256, e16, IS_FP4,
-                              TWO_SCALES, HAS_SMOOTH, MASK_X, USE_ASM, M2)
-            words, sc = words_next, sc_next
-            if last:
-                _store_rows(acc, acc2, rb, bias_ptr, out_ptr, N, global_scale, HAS_BIAS, BLOCK_N, M2)
-                acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
-                acc2 = acc
-            kb = kb_next
-            rb = rb_next
