@@ -32,21 +32,20 @@ from lowbit.kernels._triton import cdiv, early_kernel, helper, interpreting, tl,
 
 GEMV_MAX_M = 2  # w4a16_gemm dispatches M <= this to the GEMV. At M = 2, per token of Llama-3.1-8B (H200, run 41):
 # INT4 2.26 ms against w4_small_m's 2.88, NVFP4 2.51 against the tensor-core kernel's 4.28
-GEMV_CONFIG = (8, 2048, 2)  # (BLOCK_N, BLOCK_K, num_warps[, MAXNREG]): best of the H200 sweep for both formats (128
-# registers; BLOCK_K 2048 divides every KP of Llama-3.1-8B: no masked step). MAXNREG: a register cap for ptxas (more
-# programs per SM; 0 or absent: ptxas's choice)
+GEMV_CONFIG = (8, 2048, 2)  # (BLOCK_N, BLOCK_K, num_warps): best of the H200 sweep for both formats (128 registers;
+# BLOCK_K 2048 divides every KP of Llama-3.1-8B: no masked step)
 GEMV_CONFIG_M2 = {"int4": (8, 2048, 2), "nvfp4": (4, 2048, 2)}  # M = 2: each format's best of the run-41 sweep
 
 
 def w4_gemv(x, w, bias=None, config=None):
     """x [M, K] bf16/fp16/fp32, M = 1 or 2 -> [M, N] in x's dtype, w a lowbit.kernels.w4a16.W4Weight. Two rows share
-    each dequantized weight (one more FMA per weight and row). config (BLOCK_N, BLOCK_K, num_warps[, MAXNREG]),
-    default GEMV_CONFIG (M = 1) or GEMV_CONFIG_M2[w.fmt]; BLOCK_K a multiple of 1024 x num_warps."""
+    each dequantized weight (one more FMA per weight and row). config (BLOCK_N, BLOCK_K, num_warps), default
+    GEMV_CONFIG (M = 1) or GEMV_CONFIG_M2[w.fmt]; BLOCK_K a multiple of 1024 x num_warps."""
     assert use_triton(x)
     x = x.contiguous()
     M, K = x.shape
     assert M in (1, 2), "the GEMV takes M = 1 or 2"
-    block_n, block_k, warps, *cap = config or (GEMV_CONFIG if M == 1 else GEMV_CONFIG_M2[w.fmt])
+    block_n, block_k, warps = config or (GEMV_CONFIG if M == 1 else GEMV_CONFIG_M2[w.fmt])
     assert block_k % (1024 * warps) == 0, (block_k, warps)  # C = BLOCK_K / 32 chunks cover all threads
     assert block_n % 4 == 0, block_n  # INT4 scales of 4 rows per load
     if w.fmt == "int4":
@@ -58,8 +57,7 @@ def w4_gemv(x, w, bias=None, config=None):
         N, K, KP, KP // 8, w.global_scale * (2.0**14 if w.fmt == "nvfp4" else 1.0), 0x43800000,
         IS_FP4=w.fmt == "nvfp4", GROUP=w.group, HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=KP % block_k == 0, MASK_X=K % block_k != 0,
-        M2=M == 2, USE_ASM=not interpreting(), num_warps=warps,
-        **({"maxnreg": cap[0]} if cap and cap[0] and not interpreting() else {}))
+        M2=M == 2, USE_ASM=not interpreting(), num_warps=warps)
     return out
 
 
