@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--isl", type=int, default=128)
     ap.add_argument("--osl", type=int, default=256)
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                    help="e.g. lowbit.kernels.dense_gemv.STEPS_IN_FLIGHT=2 (a Python literal)")
+                    help="e.g. lowbit.kernels.w4_gemv.GEMV_CONFIG=(4,2048,2) (a Python literal)")
     args = ap.parse_args(argv)
     for item in args.set:
         set_constant(ap, item)

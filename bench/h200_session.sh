@@ -14,7 +14,6 @@
 #   bash bench/h200_session.sh dense    # the batch-1 bf16 GEMV and its FP8 variant (routed for small layers)
 #   bash bench/h200_session.sh m2       # the W4 GEMV on two x rows vs w4_small_m / tensor cores; batch-2 decode steps
 #   bash bench/h200_session.sh itl      # batch-1 ITL of every format (bench/batch1_itl.py)
-#   bash bench/h200_session.sh ahead    # two bf16 weight steps in flight (A / B); decode attention checked
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -150,28 +149,12 @@ ncu)
         grep -E "^ +(Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|No Eligible) " "$OUT/$name.txt"
     done
     ;;
-ahead)
-    part "the bf16 GEMV with two weight steps in flight (config field S = 2): checked, then timed"
-    timeout 150 python3 bench/dense_gemv_bench.py --configs "4,1024,4,2;8,1024,4,2" 2>&1 | grep -E '^\||failed'
-    part "decode attention (inputs loaded before its PDL wait): kernel tests; the engine check, two steps in flight"
-    timeout 100 python3 -m pytest -q tests/test_paged_attention.py 2>&1 | tail -1
-    timeout 120 python3 -c "from lowbit.kernels import dense_gemv; dense_gemv.STEPS_IN_FLIGHT = 2
-from lowbit.bench_cli import load_script
-load_script('serve_diag.py').main(['--phases', 'check', '--formats', 'bf16,int4_awq,fp8'])" 2>&1 \
-        | grep '"format"' | cut -c1-300
-    part "batch-1 ITL, one and two bf16 weight steps in flight, interleaved twice"
-    for r in 1 2; do
-        for sets in "" "--set lowbit.kernels.dense_gemv.STEPS_IN_FLIGHT=2"; do
-            timeout 60 python3 bench/batch1_itl.py --formats bf16,int4_awq $sets 2>&1 | grep '"format"'
-        done
-    done
-    ;;
 itl)
     part "batch-1 ITL of every format (ISL 128, OSL 256, three requests each)"
     timeout 300 python3 bench/batch1_itl.py --formats bf16,int4_awq,nvfp4,fp8 2>&1 | grep '"format"'
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl|ahead" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl" >&2
     exit 2
     ;;
 esac

@@ -14,21 +14,20 @@ to cuBLAS at M = 2 (benchmarks.md run 41) and was removed. silu_mul: a merged ga
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels._triton import cdiv, early_kernel, helper, on_gpu, tl, use_triton, wait_for_producers
+from lowbit.kernels._triton import cdiv, early_kernel, on_gpu, tl, use_triton, wait_for_producers
 from lowbit.kernels.activation import silu_and_mul, silu_and_mul_ref
 
 STEP_BYTES, WARPS = 2048, 4  # per row and K step: 1024 bf16 or 2048 FP8 elements
 MAX_PROGRAMS_AT_4_ROWS = 1024
-STEPS_IN_FLIGHT = 1  # weight steps loaded ahead (before the PDL wait too); 2: not yet measured on a GPU
 # H200, Llama-3.1-8B shapes (`python3 bench/dense_gemv_bench.py`, benchmarks.md run 40), us per call: 4 rows per
 # program up to 1024 programs (o 4096->4096 9.8, down 14336->4096 28.8), else 8 (qkv 4096->6144 14.4, gate_up
 # 4096->28672 57.7, lm_head 4096->128256 237.1); cuBLAS bf16 13.6 / 31.9 / 15.4 / 56.5 / 238.9.
 # FP8 (fp8_gemv): lowbit.kernels.w8a8 runs it for one row of small layers, at its own config (run 41).
 
 
-def gemv_config(n: int, element_size: int = 2) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, steps in flight) for N output rows of element_size-byte weights."""
-    return (4 if cdiv(n, 4) <= MAX_PROGRAMS_AT_4_ROWS else 8), STEP_BYTES // element_size, WARPS, STEPS_IN_FLIGHT
+def gemv_config(n: int, element_size: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for N output rows of element_size-byte weights."""
+    return (4 if cdiv(n, 4) <= MAX_PROGRAMS_AT_4_ROWS else 8), STEP_BYTES // element_size, WARPS
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -45,8 +44,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def dense_gemv(x, weight, bias=None, config=None, silu_mul=False):
     """x [1, K] bf16/fp16, weight [N, K] of x's dtype -> [1, N] in x's dtype (fp32 sums).
-    config (BLOCK_N, BLOCK_K, num_warps[, steps in flight: 1 or 2]), default gemv_config(N); BLOCK_K / 8 a multiple
-    of 32 x num_warps.
+    config (BLOCK_N, BLOCK_K, num_warps), default gemv_config(N); BLOCK_K / 8 a multiple of 32 x num_warps.
     silu_mul: weight is a merged gate/up [2D, K]; the output is silu_and_mul of the GEMV's [1, 2D] output, [1, D]
     (each program takes BLOCK_N / 2 gate rows and the matching up rows)."""
     assert x.shape[0] == 1 and weight.dtype == x.dtype and weight.shape[1] == x.shape[1], (x.shape, weight.shape)
@@ -71,9 +69,8 @@ def fp8_gemv(q, weight, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, c
 def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config, silu_mul=False):
     assert use_triton(x)
     vec = 16 // weight.element_size()
-    block_n, block_k, warps, *depth = config or gemv_config(weight.shape[0], weight.element_size())
-    depth = depth[0] if depth else 1
-    assert block_k % (vec * 32 * warps) == 0 and depth in (1, 2), (block_k, warps, depth)
+    block_n, block_k, warps = config or gemv_config(weight.shape[0], weight.element_size())
+    assert block_k % (vec * 32 * warps) == 0, (block_k, warps)
     x = x.contiguous()
     weight = weight.contiguous()
     N, K = weight.shape
@@ -83,25 +80,15 @@ def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config, silu_mul=False
     _dense_gemv_kernel[(cdiv(N, block_n),)](
         x, weight, scale_a if scaled else out, scale_b if scaled else out, bias if bias is not None else out, out, N,
         K, HAS_BIAS=bias is not None, SCALED=scaled, ROW_SCALES=scaled and scale_b.numel() > 1, SILU_MUL=silu_mul,
-        VEC=vec, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, TWO_AHEAD=depth == 2, num_warps=warps)
+        VEC=vec, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps)
     return out
-
-
-@helper
-def _load_weights(w_ptrs, k0, K, kk, EVEN_K: tl.constexpr):
-    """The weight step from k0: [C, BN, VEC] (0 past K)."""
-    if EVEN_K:
-        return tl.load(w_ptrs + k0, cache_modifier=".cg")
-    return tl.load(w_ptrs + k0, mask=k0 + kk < K, other=0.0, cache_modifier=".cg")
 
 
 @early_kernel
 def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, HAS_BIAS: tl.constexpr,
                        SCALED: tl.constexpr, ROW_SCALES: tl.constexpr, SILU_MUL: tl.constexpr, VEC: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TWO_AHEAD: tl.constexpr,
-                       PDL: tl.constexpr):
-    """out[0, n] for BLOCK_N rows n (clamped for the loads, masked at the store). EVEN_K: BLOCK_K | K. TWO_AHEAD: two
-    weight steps in flight (both loaded before the PDL wait), else one. SCALED: times
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """out[0, n] for BLOCK_N rows n (clamped for the loads, masked at the store). EVEN_K: BLOCK_K | K. SCALED: times
     sa[0] and sb[0] (or sb[n], ROW_SCALES). SILU_MUL: rows are gate rows pid * BLOCK_N / 2 + j and their up rows
     N / 2 later; out[pid * BLOCK_N / 2 + j] = silu(gate) * up (dense_gemv)."""
     C: tl.constexpr = BLOCK_K // VEC
@@ -119,25 +106,22 @@ def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, HA
     w_ptrs = w_ptr + n_rows[None, :, None] * K + kk  # [C, BN, VEC]
     acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
     n_steps = tl.cdiv(K, BLOCK_K)
-    AHEAD: tl.constexpr = 2 if TWO_AHEAD else 1
-    w = _load_weights(w_ptrs, 0, K, kk, EVEN_K)
-    if TWO_AHEAD:
-        w1 = _load_weights(w_ptrs, tl.minimum(1, n_steps - 1) * BLOCK_K, K, kk, EVEN_K)
+    if EVEN_K:
+        w = tl.load(w_ptrs, cache_modifier=".cg")
+    else:
+        w = tl.load(w_ptrs, mask=kk < K, other=0.0, cache_modifier=".cg")
     wait_for_producers(PDL)
     for kb in range(0, n_steps):
         k0 = kb * BLOCK_K
-        # the step AHEAD of this one (the last steps reload the last one)
-        w_next = _load_weights(w_ptrs, tl.minimum(kb + AHEAD, n_steps - 1) * BLOCK_K, K, kk, EVEN_K)
+        k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
         if EVEN_K:
+            w_next = tl.load(w_ptrs + k_next, cache_modifier=".cg")
             xs = tl.load(x_ptr + k0 + kk)
         else:
+            w_next = tl.load(w_ptrs + k_next, mask=k_next + kk < K, other=0.0, cache_modifier=".cg")
             xs = tl.load(x_ptr + k0 + kk, mask=k0 + kk < K, other=0.0)
         acc += tl.sum(w.to(tl.float32) * xs.to(tl.float32), axis=2)
-        if TWO_AHEAD:
-            w = w1
-            w1 = w_next
-        else:
-            w = w_next
+        w = w_next
     out = tl.sum(acc, axis=0)
     if SCALED:
         out = out * tl.load(sa_ptr)
