@@ -298,7 +298,7 @@ def bench_gemms(shapes, ms, variants, dev, reps, w4_best=None):
 def w4_label(fmt, k, n, m, gemv, cfg):
     """The kernel and config that w4a16_gemm ran (cfg: a swept tensor-core config, None: its own dispatch)."""
     if gemv:
-        return "gemv", w4_gemv.GEMV_CONFIG
+        return "gemv", (w4_gemv.GEMV_CONFIG if m == 1 else w4_gemv.GEMV_CONFIG_M2)[fmt]
     if cfg is None and w4_small_m.takes(m, n, k, fmt):
         return "small_m", w4_small_m.choose_config(m, n, k, fmt)
     return cfg or w4a16.choose_config(m, n, k, fmt)

@@ -4,11 +4,11 @@
 (from the repo root; ~30-60 s on an H200 per config, mostly Triton compiles; `--dry-run`: CPU smoke test of the
 script under the interpreter, tiny shapes). --m2: x of two rows (GEMV_CONFIG_M2 per format), also timed against
 the route without the GEMV (w4a16.tensor_core_gemm: w4_small_m / the tensor-core kernel). --configs: other GEMV
-configs (w4_gemv.GEMV_CONFIG's fields), each checked and timed after the default:
-1. checks the GEMV (w4_gemv.GEMV_CONFIG) against the torch reference w4a16_gemm_ref (fp32 math) on fresh random
-   inputs on the GPU: INT4 (group 128, plus 16/32 on ragged shapes) and NVFP4, the four Llama-3.1-8B shapes, ragged
-   K (padded to 128, not a multiple of BLOCK_K) and odd N with pre_quant_scale and bias, bf16 and fp16 x, and CUDA
-   graph replays on new x; rel err = ||out - ref|| / ||ref|| (both rounded to x's dtype), PASS below TOL; exit 1 if
+configs (the fields of w4_gemv.GEMV_CONFIG's values), each checked and timed after the default:
+1. checks the GEMV (w4_gemv.GEMV_CONFIG per format) against the torch reference w4a16_gemm_ref (fp32 math) on fresh
+   random inputs on the GPU: INT4 (group 128, plus 16/32 on ragged shapes) and NVFP4, the four Llama-3.1-8B shapes,
+   ragged K (padded to 128, not a multiple of BLOCK_K) and odd N with pre_quant_scale and bias, bf16 and fp16 x, and
+   CUDA graph replays on new x; rel err = ||out - ref|| / ||ref|| (both rounded to x's dtype), PASS below TOL; exit 1 if
    any check fails (timing still runs).
 2. times it at M = 1 on qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096 for INT4 (group 128)
    and NVFP4, plus cuBLAS bf16 (F.linear) as a reference. Times are medians over REPS replays of a CUDA graph that
@@ -92,7 +92,7 @@ def check_cases():
 
 
 def default_config(m: int, fmt: str):
-    return w4_gemv.GEMV_CONFIG if m == 1 else w4_gemv.GEMV_CONFIG_M2[fmt]
+    return (w4_gemv.GEMV_CONFIG if m == 1 else w4_gemv.GEMV_CONFIG_M2)[fmt]
 
 
 def config_key(config):

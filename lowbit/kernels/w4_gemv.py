@@ -32,20 +32,22 @@ from lowbit.kernels._triton import cdiv, early_kernel, helper, interpreting, tl,
 
 GEMV_MAX_M = 2  # w4a16_gemm dispatches M <= this to the GEMV. At M = 2, per token of Llama-3.1-8B (H200, run 41):
 # INT4 2.26 ms against w4_small_m's 2.88, NVFP4 2.51 against the tensor-core kernel's 4.28
-GEMV_CONFIG = (8, 2048, 2)  # (BLOCK_N, BLOCK_K, num_warps): best of the H200 sweep for both formats (128 registers;
-# BLOCK_K 2048 divides every KP of Llama-3.1-8B: no masked step)
+# (BLOCK_N, BLOCK_K, num_warps) per format at M = 1 (128 / 62 registers; BLOCK_K 2048 divides every KP of
+# Llama-3.1-8B: no masked step). 8 rows: best of the H200 sweep for both formats (run 16); NVFP4 takes 4 since the
+# fifteenth session: per token 1.809 -> 1.779 ms, batch-1 nvfp4 ITL 2.455 -> 2.418 ms (benchmarks.md run 44)
+GEMV_CONFIG = {"int4": (8, 2048, 2), "nvfp4": (4, 2048, 2)}
 GEMV_CONFIG_M2 = {"int4": (8, 2048, 2), "nvfp4": (4, 2048, 2)}  # M = 2: each format's best of the run-41 sweep
 
 
 def w4_gemv(x, w, bias=None, config=None):
     """x [M, K] bf16/fp16/fp32, M = 1 or 2 -> [M, N] in x's dtype, w a lowbit.kernels.w4a16.W4Weight. Two rows share
     each dequantized weight (one more FMA per weight and row). config (BLOCK_N, BLOCK_K, num_warps), default
-    GEMV_CONFIG (M = 1) or GEMV_CONFIG_M2[w.fmt]; BLOCK_K a multiple of 1024 x num_warps."""
+    GEMV_CONFIG[w.fmt] (M = 1) or GEMV_CONFIG_M2[w.fmt]; BLOCK_K a multiple of 1024 x num_warps."""
     assert use_triton(x)
     x = x.contiguous()
     M, K = x.shape
     assert M in (1, 2), "the GEMV takes M = 1 or 2"
-    block_n, block_k, warps = config or (GEMV_CONFIG if M == 1 else GEMV_CONFIG_M2[w.fmt])
+    block_n, block_k, warps = config or (GEMV_CONFIG if M == 1 else GEMV_CONFIG_M2)[w.fmt]
     assert block_k % (1024 * warps) == 0, (block_k, warps)  # C = BLOCK_K / 32 chunks cover all threads
     assert block_n % 4 == 0, block_n  # INT4 scales of 4 rows per load
     if w.fmt == "int4":
