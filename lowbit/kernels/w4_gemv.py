@@ -21,10 +21,11 @@ Each program owns BLOCK_N output rows over all of K (no split-K, no second launc
   e2m1 value * 2^-14 exactly (fp16 subnormals carry e = 0); converted by inline PTX cvt.f32.f16 on the GPU
   (Triton's own conversion adds a PRMT per pair), by Triton in the interpreter (which cannot run PTX). Exact
   products, fp32 chain per 16-block, times the e4m3 block scale; global scale and 2^14 applied once to the sum.
-- Offline SASS (triton 3.6, sm_90, loop body per weight): INT4 3.16 instructions, NVFP4 4.73; 128 registers. Two
-  rows (GEMV_CONFIG_M2): INT4 4.6 (168 registers), NVFP4 6.5 (96), for twice the products.
-H200, Llama-3.1-8B shapes, per token: INT4 2.4x and NVFP4 1.9x cuBLAS bf16, 1.8x the previous GEMV (removed)
-(docs/kernels_notes.md, benchmarks.md run 16).
+- Offline SASS (triton 3.6, sm_90, loop body per weight): INT4 3.16 instructions, NVFP4 4.73 at 8 rows (128
+  registers), 5.08 at 4 rows (64: NVFP4's GEMV_CONFIG). Two rows (GEMV_CONFIG_M2): INT4 4.6 (168 registers), NVFP4
+  6.5 (96), for twice the products.
+H200, Llama-3.1-8B shapes, per token: INT4 2.5x and NVFP4 2.0x cuBLAS bf16 (benchmarks.md run 44), 1.8x the previous
+GEMV (removed; docs/kernels_notes.md, benchmarks.md run 16).
 """
 import torch
 
@@ -32,7 +33,7 @@ from lowbit.kernels._triton import cdiv, early_kernel, helper, interpreting, tl,
 
 GEMV_MAX_M = 2  # w4a16_gemm dispatches M <= this to the GEMV. At M = 2, per token of Llama-3.1-8B (H200, run 41):
 # INT4 2.26 ms against w4_small_m's 2.88, NVFP4 2.51 against the tensor-core kernel's 4.28
-# (BLOCK_N, BLOCK_K, num_warps) per format at M = 1 (128 / 62 registers; BLOCK_K 2048 divides every KP of
+# (BLOCK_N, BLOCK_K, num_warps) per format at M = 1 (INT4 128 registers, NVFP4 64; BLOCK_K 2048 divides every KP of
 # Llama-3.1-8B: no masked step). 8 rows: best of the H200 sweep for both formats (run 16); NVFP4 takes 4 since the
 # fifteenth session: per token 1.809 -> 1.779 ms, batch-1 nvfp4 ITL 2.455 -> 2.418 ms (benchmarks.md run 44)
 GEMV_CONFIG = {"int4": (8, 2048, 2), "nvfp4": (4, 2048, 2)}
