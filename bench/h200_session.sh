@@ -14,7 +14,7 @@
 #   bash bench/h200_session.sh dense    # the batch-1 bf16 GEMV and its FP8 variant (routed for small layers)
 #   bash bench/h200_session.sh m2       # the W4 GEMV on two x rows vs w4_small_m / tensor cores; batch-2 decode steps
 #   bash bench/h200_session.sh itl      # batch-1 ITL of every format (bench/batch1_itl.py)
-#   bash bench/h200_session.sh early    # the W4 GEMV with its next step's loads at the loop top (EARLY), A / B
+#   bash bench/h200_session.sh early    # the W4, bf16 and FP8 GEMVs with the next step's loads at the loop top
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -152,7 +152,7 @@ ncu)
     ;;
 early)
     part "W4 GEMV, EARLY = 1 (volatile loads: the next step's words at the loop top): checked, then timed"
-    timeout 150 python3 bench/w4_gemv_bench.py --configs "8,2048,2,1;4,2048,2,1;8,2048,2,0" --json "$OUT/w4_early.json" \
+    timeout 150 python3 bench/w4_gemv_bench.py --configs "8,2048,2,1;4,2048,2,1" --json "$OUT/w4_early.json" \
         2>&1 | grep -E 'FAIL|per token|^#|checks_done|^\| [a-z]'
     part "engine check, int4_awq and nvfp4 with EARLY"
     timeout 100 python3 -c "from lowbit.kernels import w4_gemv
@@ -164,6 +164,13 @@ load_script('serve_diag.py').main(['--phases', 'check', '--formats', 'int4_awq,n
         for sets in "" "--set lowbit.kernels.w4_gemv.GEMV_CONFIG={'int4':(8,2048,2,1),'nvfp4':(4,2048,2,1)}"; do
             timeout 80 python3 bench/batch1_itl.py --formats int4_awq,nvfp4 $sets 2>&1 | grep '"format"'
         done
+    done
+    part "the bf16 and FP8 GEMVs with EARLY: checked, then timed; batch-1 ITL of bf16 and fp8, off / on"
+    timeout 100 python3 bench/dense_gemv_bench.py --configs "4,1024,4,1;8,1024,4,1" 2>&1 | grep -E '^\||failed'
+    timeout 100 python3 bench/dense_gemv_bench.py --fp8 --configs "8,1024,2,1" 2>&1 | grep -E '^\||failed'
+    early="--set lowbit.kernels.dense_gemv.EARLY_LOADS=True --set lowbit.kernels.w8a8.FP8_GEMV_CONFIG=(8,1024,2,1)"
+    for sets in "" "$early"; do
+        timeout 80 python3 bench/batch1_itl.py --formats bf16,fp8 $sets 2>&1 | grep '"format"'
     done
     ;;
 itl)
