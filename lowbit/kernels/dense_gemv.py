@@ -14,7 +14,7 @@ to cuBLAS at M = 2 (benchmarks.md run 41) and was removed. silu_mul: a merged ga
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels._triton import cdiv, early_kernel, on_gpu, tl, use_triton, wait_for_producers
+from lowbit.kernels._triton import cdiv, early_kernel, load_streamed, on_gpu, tl, use_triton, wait_for_producers
 from lowbit.kernels.activation import silu_and_mul, silu_and_mul_ref
 
 STEP_BYTES, WARPS = 2048, 4  # per row and K step: 1024 bf16 or 2048 FP8 elements
@@ -112,22 +112,12 @@ def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, HA
     w_ptrs = w_ptr + n_rows[None, :, None] * K + kk  # [C, BN, VEC]
     acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
     n_steps = tl.cdiv(K, BLOCK_K)
-    if EVEN_K:
-        w = tl.load(w_ptrs, cache_modifier=".cg")
-    else:
-        w = tl.load(w_ptrs, mask=kk < K, other=0.0, cache_modifier=".cg")
+    w = load_streamed(w_ptrs, kk < K, not EVEN_K, EARLY)
     wait_for_producers(PDL)
     for kb in range(0, n_steps):
         k0 = kb * BLOCK_K
         k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
-        if EVEN_K and EARLY:  # (volatile: in L2 only too, as .cg)
-            w_next = tl.load(w_ptrs + k_next, volatile=True)
-        elif EVEN_K:
-            w_next = tl.load(w_ptrs + k_next, cache_modifier=".cg")
-        elif EARLY:
-            w_next = tl.load(w_ptrs + k_next, mask=k_next + kk < K, other=0.0, volatile=True)
-        else:
-            w_next = tl.load(w_ptrs + k_next, mask=k_next + kk < K, other=0.0, cache_modifier=".cg")
+        w_next = load_streamed(w_ptrs + k_next, k_next + kk < K, not EVEN_K, EARLY)
         if EVEN_K:
             xs = tl.load(x_ptr + k0 + kk, volatile=EARLY)
         else:

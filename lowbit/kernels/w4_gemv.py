@@ -29,7 +29,8 @@ GEMV (removed; docs/kernels_notes.md, benchmarks.md run 16).
 """
 import torch
 
-from lowbit.kernels._triton import cdiv, early_kernel, helper, interpreting, tl, use_triton, wait_for_producers
+from lowbit.kernels._triton import (cdiv, early_kernel, helper, interpreting, load_streamed, tl, use_triton,
+                                    wait_for_producers)
 
 GEMV_MAX_M = 2  # w4a16_gemm dispatches M <= this to the GEMV. At M = 2, per token of Llama-3.1-8B (H200, run 41):
 # INT4 2.26 ms against w4_small_m's 2.88, NVFP4 2.51 against the tensor-core kernel's 4.28
@@ -187,16 +188,9 @@ def _load_step(w_ptrs, s_ptr, k0, cc, n_rows, offs_n0, N, KP, IS_FP4: tl.constex
                EVEN_K: tl.constexpr, EARLY: tl.constexpr):
     """Step k0: words [C, BN, 4] (uint32) and scales: NVFP4 [C, BN, 2] e4m3 (blocks 2(c%4), +1 of the 128-tile),
     INT4 groups < 32 [C, BN, 2] (two groups per chunk), else [C, BN]. Chunks past KP load 0. EARLY: volatile loads
-    (words in L2 only, as with .cg; see _w4_gemv_kernel)."""
+    (see _w4_gemv_kernel)."""
     kc = k0 + 32 * cc  # first k of each chunk [C]
-    if EVEN_K and EARLY:
-        words = tl.load(w_ptrs + k0 // 8, volatile=True)
-    elif EVEN_K:
-        words = tl.load(w_ptrs + k0 // 8, cache_modifier=".cg")
-    elif EARLY:
-        words = tl.load(w_ptrs + k0 // 8, mask=(kc < KP)[:, None, None], other=0, volatile=True)
-    else:
-        words = tl.load(w_ptrs + k0 // 8, mask=(kc < KP)[:, None, None], other=0, cache_modifier=".cg")
+    words = load_streamed(w_ptrs + k0 // 8, (kc < KP)[:, None, None], not EVEN_K, EARLY)
     if IS_FP4:
         b2 = tl.arange(0, 2)
         sp = s_ptr + ((kc // 128)[:, None, None] * N + n_rows[None, :, None]) * 8 + (2 * (cc % 4))[:, None, None] \
