@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     try:
         extra = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
     except ValueError:
-        ap.error("--configs takes BN,BK,W;... (integers)")
+        ap.error("--configs takes BN,BK,W[,EARLY];... (integers)")
     if any(len(c) not in (3, 4) for c in extra):
         ap.error("--configs takes BN,BK,W[,EARLY];... (three or four integers each)")
     bad = [c for c in extra if c[0] % 4 or c[2] < 1 or c[1] % (1024 * c[2]) or c[3:] not in ((), (0,), (1,))]
