@@ -1,7 +1,7 @@
 """Compile lowbit's kernels for the H200 (sm_90a) without a GPU: registers, spilled bytes, shared memory and
-asynchronous copies per program, and from the SASS the MMA instructions, MEMBARs and the length of the loop that
-holds the MMAs. Attention at Llama-8B heads (32 query / 8 KV heads, D 128, block 16, FP8 cache); the W4 GEMMs
-(INT4 group 128 or NVFP4, bf16 x). The figures quoted in attention_tiles.py, prefill_tiles.py and
+asynchronous copies per program, and from the SASS the MMA instructions, MEMBARs, the length of the loop that holds
+the MMAs (or the longest loop) and where its global loads sit. Attention at Llama-8B heads (32 query / 8 KV heads,
+D 128, block 16, FP8 cache); the W4 GEMMs (INT4 group 128 or NVFP4, bf16 x); the M = 1 GEMVs. The figures quoted in attention_tiles.py, prefill_tiles.py and
 docs/kernels_notes.md come from this script under triton 3.6, the GPU machine's version
 (`python3 -m venv --system-site-packages V && V/bin/pip install --no-deps triton==3.6.0`); other versions differ.
 
@@ -9,6 +9,8 @@ docs/kernels_notes.md come from this script under triton 3.6, the GPU machine's 
 `python3 bench/offline_compile.py prefill "(64, 64, 8, 3, True, True, True)" [TUPLE ...]`  (PrefillTiles)
 `python3 bench/offline_compile.py w4_small_m int4,64,4,3,16 [FMT,BLOCK_N,WARPS,STAGES,BLOCK_M ...]`
 `python3 bench/offline_compile.py w4a16 int4,16,64,4,3 [FMT,BLOCK_M,BLOCK_N,WARPS,STAGES ...]`
+`python3 bench/offline_compile.py w4_gemv int4,8,2048,2,0 [FMT,BLOCK_N,BLOCK_K,WARPS,EARLY ...]`
+`python3 bench/offline_compile.py dense_gemv bf16,8,1024,4,0 [bf16|fp8,BLOCK_N,BLOCK_K,WARPS,EARLY ...]`
 """
 import argparse
 import ast
@@ -21,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lowbit.bench_cli import load_script  # noqa: E402
-from lowbit.kernels import paged_attention as pa, paged_prefill as pp, w4_small_m, w4a16  # noqa: E402
+from lowbit.kernels import dense_gemv, w4_gemv, w4_small_m, w4a16  # noqa: E402
+from lowbit.kernels import paged_attention as pa, paged_prefill as pp  # noqa: E402
 
 HQ, HK, D, BS = 32, 8, 128, 16
 
@@ -60,16 +63,23 @@ def compile_kernel(fn, types: dict, constants: dict, warps: int, stages: int, ma
 
 
 def sass_counts(sass: str) -> dict:
-    """MMA instructions (HGMMA / HMMA) and MEMBARs in the whole kernel; instructions in the loop that holds the
-    most MMAs (from a backward branch's target to the branch)."""
+    """MMA instructions (HGMMA / HMMA) and MEMBARs in the whole kernel; in the loop that holds the most MMAs (the
+    longest without MMAs; from a backward branch's target to the branch) its instructions and where its global loads
+    sit, as fractions of the way through it."""
     ops = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", sass)]
     branches = [(int(t, 16), int(a, 16)) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\w* "
                                                                 r"(?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", sass)]
     is_mma = [op.startswith(("HGMMA", "HMMA")) for _, op in ops]
-    loops = [(sum(m for (a, _), m in zip(ops, is_mma) if t <= a <= b), sum(t <= a <= b for a, _ in ops))
+    loops = [(sum(m for (a, _), m in zip(ops, is_mma) if t <= a <= b), sum(t <= a <= b for a, _ in ops), t, b)
              for t, b in branches if t < b]
-    return {"mma": sum(is_mma), "membar": sum(op.startswith("MEMBAR") for _, op in ops),
-            "loop_instructions": max(loops)[1] if loops else None}
+    counts = {"mma": sum(is_mma), "membar": sum(op.startswith("MEMBAR") for _, op in ops),
+              "loop_instructions": None, "loop_load_positions": None}
+    if loops:
+        _, n, t, b = max(loops)
+        counts["loop_instructions"] = n
+        counts["loop_load_positions"] = [round((a - t) / (b - t), 2) for a, op in ops
+                                         if t <= a <= b and op.startswith("LDG")]
+    return counts
 
 
 def decode(v: pa.DecodeVariant) -> dict:
@@ -109,9 +119,35 @@ def w4(kernel: str, fmt: str, a: int, b: int, warps: int, stages: int) -> dict:
     return compile_kernel(fn, types, constants, warps, stages)
 
 
+GEMV_TYPES = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp32", smooth_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16",
+                  N="i32", K="i32", KP="i32", w_stride="i32", global_scale="fp32", magic="i32")
+
+
+def w4_gemv_job(fmt: str, block_n: int, block_k: int, warps: int, early: int) -> dict:
+    """The M = 1 W4 GEMV, INT4 group 128 or NVFP4, K a multiple of BLOCK_K, no bias / smooth."""
+    types = dict(GEMV_TYPES, **({"s_ptr": "*fp8e4nv"} if fmt == "nvfp4" else {}))
+    constants = dict(IS_FP4=fmt == "nvfp4", GROUP=16 if fmt == "nvfp4" else 128, HAS_SMOOTH=False, HAS_BIAS=False,
+                     BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, MASK_X=False, M2=False, USE_ASM=True,
+                     EARLY=bool(early))
+    return compile_kernel(w4_gemv._w4_gemv_kernel.fn, types, constants, warps, 1)
+
+
+def dense_gemv_job(dtype: str, block_n: int, block_k: int, warps: int, early: int) -> dict:
+    """The M = 1 bf16 GEMV, or its FP8 form (fp8_gemv, a per-tensor weight scale), K a multiple of BLOCK_K."""
+    t = "*fp8e4nv" if dtype == "fp8" else "*bf16"
+    types = dict(x_ptr=t, w_ptr=t, sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32")
+    constants = dict(HAS_BIAS=False, SCALED=dtype == "fp8", ROW_SCALES=False, SILU_MUL=False,
+                     VEC=16 if dtype == "fp8" else 8, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True,
+                     EARLY=bool(early))
+    return compile_kernel(dense_gemv._dense_gemv_kernel.fn, types, constants, warps, 1)
+
+
+GEMV_JOBS = {"w4_gemv": (("int4", "nvfp4"), w4_gemv_job), "dense_gemv": (("bf16", "fp8"), dense_gemv_job)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kernel", choices=["decode", "prefill", "w4_small_m", "w4a16"])
+    p.add_argument("kernel", choices=["decode", "prefill", "w4_small_m", "w4a16", "w4_gemv", "dense_gemv"])
     p.add_argument("configs", nargs="+")
     a = p.parse_args(argv)
     if a.kernel == "decode":
@@ -130,6 +166,12 @@ def main(argv=None) -> int:
         else:  # FMT,BLOCK_M,BLOCK_N,WARPS,STAGES
             jobs = [(c, lambda f=f: w4("w4a16", f[0], int(f[1]), int(f[2]), int(f[3]), int(f[4])))
                     for c, f in zip(a.configs, parsed)]
+    elif a.kernel in GEMV_JOBS:
+        kinds, run = GEMV_JOBS[a.kernel]
+        parsed = [c.split(",") for c in a.configs]
+        if any(len(f) != 5 or f[0] not in kinds or not all(v.isdigit() for v in f[1:]) for f in parsed):
+            p.error(f"a {a.kernel} config is {'|'.join(kinds)},BLOCK_N,BLOCK_K,WARPS,EARLY (then four integers)")
+        jobs = [(c, lambda f=f: run(f[0], *(int(v) for v in f[1:]))) for c, f in zip(a.configs, parsed)]
     else:
         try:
             tiles = [pp.PrefillTiles(*ast.literal_eval(c)) for c in a.configs]
