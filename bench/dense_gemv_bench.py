@@ -4,7 +4,7 @@ per-tensor scales) against scaled_gemm_ref, timed against the tensor-core route 
 (w8a8.tensor_core_linear: fp8_small_m or torch._scaled_mm; the engine runs fp8_gemv on layers up to
 w8a8.FP8_GEMV_MAX_WEIGHTS); lm_head stays bf16 in FP8 checkpoints and is left out.
 
-`python3 bench/dense_gemv_bench.py [--fp8] [--configs "BN,BK,W[,EARLY];..."] [--reps N] [--json FILE]`
+`python3 bench/dense_gemv_bench.py [--fp8] [--configs "BN,BK,W;..."] [--reps N] [--json FILE]`
 Configs: gemv_config's choice per shape (None), then --configs.
 1. checks every config against x.float() @ W.float().T rounded to bf16 on fresh random inputs (the four linears,
    ragged K and odd N with bias, fp16): rel err = ||out - ref|| / ||ref||, FAIL at TOL or more (exit 1);
@@ -85,24 +85,21 @@ def time_shape(shape, k, n, configs, fp8: bool, reps: int, w4) -> dict:
     return times
 
 
-def parse_config(ap, text: str, vec: int) -> tuple[int, ...]:
-    """'BN,BK,W[,EARLY]' -> (BN, BK, W[, EARLY]): BN a power of two, BK a multiple of vec x 32 x W (16-byte chunks
-    over the threads), EARLY 0 or 1; anything else is a usage error (one line, exit 2)."""
+def parse_config(ap, text: str, vec: int) -> tuple[int, int, int]:
+    """'BN,BK,W' -> (BN, BK, W): BN a power of two, BK a multiple of vec x 32 x W (16-byte chunks over the threads);
+    anything else is a usage error (one line, exit 2)."""
     try:
-        config = tuple(int(v) for v in text.split(","))
+        bn, bk, w = (int(v) for v in text.split(","))
     except ValueError:
-        config = ()
-    if len(config) not in (3, 4):
-        ap.error(f"--configs {text!r}: expected BN,BK,W or BN,BK,W,EARLY (integers)")
-    bn, bk, w = config[:3]
-    if bn < 1 or bn & (bn - 1) or w < 1 or bk % (vec * 32 * w) or config[3:] not in ((), (0,), (1,)):
-        ap.error(f"--configs {text!r}: BN a power of two, BK a multiple of {vec} x 32 x W, EARLY 0 or 1")
-    return config
+        ap.error(f"--configs {text!r}: expected BN,BK,W (three integers)")
+    if bn < 1 or bn & (bn - 1) or w < 1 or bk % (vec * 32 * w):
+        ap.error(f"--configs {text!r}: BN a power of two, BK a multiple of {vec} x 32 x W")
+    return bn, bk, w
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", default="", help="more configs BN,BK,W[,EARLY];... beside gemv_config's choice")
+    ap.add_argument("--configs", default="", help="more configs BN,BK,W;... beside gemv_config's choice")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--fp8", action="store_true", help="the FP8 GEMV against the engine's FP8 route at M = 1")
     ap.add_argument("--json")

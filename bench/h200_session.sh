@@ -14,7 +14,6 @@
 #   bash bench/h200_session.sh dense    # the batch-1 bf16 GEMV and its FP8 variant (routed for small layers)
 #   bash bench/h200_session.sh m2       # the W4 GEMV on two x rows vs w4_small_m / tensor cores; batch-2 decode steps
 #   bash bench/h200_session.sh itl      # batch-1 ITL of every format (bench/batch1_itl.py)
-#   bash bench/h200_session.sh early    # the W4, bf16 and FP8 GEMVs with the next step's loads at the loop top
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -150,35 +149,12 @@ ncu)
         grep -E "^ +(Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|No Eligible) " "$OUT/$name.txt"
     done
     ;;
-early)
-    part "W4 GEMV, EARLY = 1 (volatile loads: the next step's words at the loop top): checked, then timed"
-    timeout 150 python3 bench/w4_gemv_bench.py --configs "8,2048,2,1;4,2048,2,1" --json "$OUT/w4_early.json" \
-        2>&1 | grep -E 'FAIL|per token|^#|checks_done|^\| [a-z]'
-    part "engine check, int4_awq and nvfp4 with EARLY"
-    timeout 100 python3 -c "from lowbit.kernels import w4_gemv
-w4_gemv.GEMV_CONFIG = {f: c + (1,) for f, c in w4_gemv.GEMV_CONFIG.items()}
-from lowbit.bench_cli import load_script
-load_script('serve_diag.py').main(['--phases', 'check', '--formats', 'int4_awq,nvfp4'])" 2>&1 | grep '"format"' | cut -c1-300
-    part "batch-1 ITL, int4_awq and nvfp4: EARLY off / on, interleaved twice"
-    for r in 1 2; do
-        for sets in "" "--set lowbit.kernels.w4_gemv.GEMV_CONFIG={'int4':(8,2048,2,1),'nvfp4':(4,2048,2,1)}"; do
-            timeout 80 python3 bench/batch1_itl.py --formats int4_awq,nvfp4 $sets 2>&1 | grep '"format"'
-        done
-    done
-    part "the bf16 and FP8 GEMVs with EARLY: checked, then timed; batch-1 ITL of bf16 and fp8, off / on"
-    timeout 100 python3 bench/dense_gemv_bench.py --configs "4,1024,4,1;8,1024,4,1" 2>&1 | grep -E '^\||failed'
-    timeout 100 python3 bench/dense_gemv_bench.py --fp8 --configs "8,1024,2,1" 2>&1 | grep -E '^\||failed'
-    early="--set lowbit.kernels.dense_gemv.EARLY_LOADS=True --set lowbit.kernels.w8a8.FP8_GEMV_CONFIG=(8,1024,2,1)"
-    for sets in "" "$early"; do
-        timeout 80 python3 bench/batch1_itl.py --formats bf16,fp8 $sets 2>&1 | grep '"format"'
-    done
-    ;;
 itl)
     part "batch-1 ITL of every format (ISL 128, OSL 256, three requests each)"
     timeout 300 python3 bench/batch1_itl.py --formats bf16,int4_awq,nvfp4,fp8 2>&1 | grep '"format"'
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl|early" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl" >&2
     exit 2
     ;;
 esac

@@ -1,16 +1,17 @@
 """Compile lowbit's kernels for the H200 (sm_90a) without a GPU: registers, spilled bytes, shared memory and
 asynchronous copies per program, and from the SASS the MMA instructions, MEMBARs, the length of the loop that holds
 the MMAs (or the longest loop) and where its global loads sit. Attention at Llama-8B heads (32 query / 8 KV heads,
-D 128, block 16, FP8 cache); the W4 GEMMs (INT4 group 128 or NVFP4, bf16 x); the M = 1 GEMVs. The figures quoted in attention_tiles.py, prefill_tiles.py and
-docs/kernels_notes.md come from this script under triton 3.6, the GPU machine's version
-(`python3 -m venv --system-site-packages V && V/bin/pip install --no-deps triton==3.6.0`); other versions differ.
+D 128, block 16, FP8 cache); the W4 GEMMs (INT4 group 128 or NVFP4, bf16 x); the M = 1 GEMVs. The figures quoted
+in attention_tiles.py, prefill_tiles.py and docs/kernels_notes.md come from this script under triton 3.6, the GPU
+machine's version (`python3 -m venv --system-site-packages V && V/bin/pip install --no-deps triton==3.6.0`); other
+versions differ.
 
 `python3 bench/offline_compile.py decode blk64w2s3 [NAME ...]`  (DECODE_VARIANTS, attention_tiles' EXPERIMENTS)
 `python3 bench/offline_compile.py prefill "(64, 64, 8, 3, True, True, True)" [TUPLE ...]`  (PrefillTiles)
 `python3 bench/offline_compile.py w4_small_m int4,64,4,3,16 [FMT,BLOCK_N,WARPS,STAGES,BLOCK_M ...]`
 `python3 bench/offline_compile.py w4a16 int4,16,64,4,3 [FMT,BLOCK_M,BLOCK_N,WARPS,STAGES ...]`
-`python3 bench/offline_compile.py w4_gemv int4,8,2048,2,0 [FMT,BLOCK_N,BLOCK_K,WARPS,EARLY ...]`
-`python3 bench/offline_compile.py dense_gemv bf16,8,1024,4,0 [bf16|fp8,BLOCK_N,BLOCK_K,WARPS,EARLY ...]`
+`python3 bench/offline_compile.py w4_gemv int4,8,2048,2 [FMT,BLOCK_N,BLOCK_K,WARPS ...]`
+`python3 bench/offline_compile.py dense_gemv bf16,8,1024,4 [bf16|fp8,BLOCK_N,BLOCK_K,WARPS ...]`
 """
 import argparse
 import ast
@@ -123,22 +124,20 @@ GEMV_TYPES = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp32", smooth_ptr="*bf16"
                   N="i32", K="i32", KP="i32", w_stride="i32", global_scale="fp32", magic="i32")
 
 
-def w4_gemv_job(fmt: str, block_n: int, block_k: int, warps: int, early: int) -> dict:
+def w4_gemv_job(fmt: str, block_n: int, block_k: int, warps: int) -> dict:
     """The M = 1 W4 GEMV, INT4 group 128 or NVFP4, K a multiple of BLOCK_K, no bias / smooth."""
     types = dict(GEMV_TYPES, **({"s_ptr": "*fp8e4nv"} if fmt == "nvfp4" else {}))
     constants = dict(IS_FP4=fmt == "nvfp4", GROUP=16 if fmt == "nvfp4" else 128, HAS_SMOOTH=False, HAS_BIAS=False,
-                     BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, MASK_X=False, M2=False, USE_ASM=True,
-                     EARLY=bool(early))
+                     BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, MASK_X=False, M2=False, USE_ASM=True)
     return compile_kernel(w4_gemv._w4_gemv_kernel.fn, types, constants, warps, 1)
 
 
-def dense_gemv_job(dtype: str, block_n: int, block_k: int, warps: int, early: int) -> dict:
+def dense_gemv_job(dtype: str, block_n: int, block_k: int, warps: int) -> dict:
     """The M = 1 bf16 GEMV, or its FP8 form (fp8_gemv, a per-tensor weight scale), K a multiple of BLOCK_K."""
     t = "*fp8e4nv" if dtype == "fp8" else "*bf16"
     types = dict(x_ptr=t, w_ptr=t, sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32")
     constants = dict(HAS_BIAS=False, SCALED=dtype == "fp8", ROW_SCALES=False, SILU_MUL=False,
-                     VEC=16 if dtype == "fp8" else 8, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True,
-                     EARLY=bool(early))
+                     VEC=16 if dtype == "fp8" else 8, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True)
     return compile_kernel(dense_gemv._dense_gemv_kernel.fn, types, constants, warps, 1)
 
 
@@ -169,8 +168,8 @@ def main(argv=None) -> int:
     elif a.kernel in GEMV_JOBS:
         kinds, run = GEMV_JOBS[a.kernel]
         parsed = [c.split(",") for c in a.configs]
-        if any(len(f) != 5 or f[0] not in kinds or not all(v.isdigit() for v in f[1:]) for f in parsed):
-            p.error(f"a {a.kernel} config is {'|'.join(kinds)},BLOCK_N,BLOCK_K,WARPS,EARLY (then four integers)")
+        if any(len(f) != 4 or f[0] not in kinds or not all(v.isdigit() for v in f[1:]) for f in parsed):
+            p.error(f"a {a.kernel} config is {'|'.join(kinds)},BLOCK_N,BLOCK_K,WARPS (then three integers)")
         jobs = [(c, lambda f=f: run(f[0], *(int(v) for v in f[1:]))) for c, f in zip(a.configs, parsed)]
     else:
         try:

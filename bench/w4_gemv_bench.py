@@ -1,6 +1,6 @@
 """W4A16 decode GEMV (lowbit.kernels.w4_gemv, M = 1) on the GPU: correctness, then time vs cuBLAS bf16.
 
-`python3 bench/w4_gemv_bench.py [--smooth] [--m2] [--json FILE] [--reps N] [--no-checks] [--configs "BN,BK,W[,E];..."]`
+`python3 bench/w4_gemv_bench.py [--smooth] [--m2] [--json FILE] [--reps N] [--no-checks] [--configs "BN,BK,W;..."]`
 (from the repo root; ~30-60 s on an H200 per config, mostly Triton compiles; `--dry-run`: CPU smoke test of the
 script under the interpreter, tiny shapes). --m2: x of two rows (GEMV_CONFIG_M2 per format), also timed against
 the route without the GEMV (w4a16.tensor_core_gemm: w4_small_m / the tensor-core kernel). --configs: other GEMV
@@ -193,7 +193,7 @@ def table(rows, config, m=1) -> str:
     speedup over cuBLAS bf16 per format; then per-token sums."""
     config = config_key(config)
     get = {(r["shape"], r["fmt"]): r for r in rows if r["fmt"] == "bf16" or r["config"] == config}
-    out = [f"\n### M = {m}, GEMV config (BLOCK_N, BLOCK_K, num_warps[, EARLY]) = {config}\n",
+    out = [f"\n### M = {m}, GEMV config (BLOCK_N, BLOCK_K, num_warps) = {config}\n",
            "| shape | cuBLAS bf16 us | INT4 g128 us (GB/s) | x cuBLAS | NVFP4 us (GB/s) | x cuBLAS |",
            "|---|---|---|---|---|---|"]
     sums = {"bf16": 0.0, "int4": 0.0, "nvfp4": 0.0}
@@ -218,19 +218,19 @@ def main(argv=None) -> int:
     ap.add_argument("--no-checks", action="store_true")
     ap.add_argument("--smooth", action="store_true", help="time INT4 with pre_quant_scale (as AWQ checkpoints)")
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test of the script (interpreter, tiny shapes)")
-    ap.add_argument("--configs", default="", help="more GEMV configs, BN,BK,W[,EARLY];... (checked, then timed)")
+    ap.add_argument("--configs", default="", help="more GEMV configs, BN,BK,W;... (checked, then timed)")
     ap.add_argument("--m2", action="store_true",
                     help="x of two rows: the two-row GEMV against w4_small_m / the tensor-core kernel")
     args = ap.parse_args(argv)
     try:
         extra = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
     except ValueError:
-        ap.error("--configs takes BN,BK,W[,EARLY];... (integers)")
-    if any(len(c) not in (3, 4) for c in extra):
-        ap.error("--configs takes BN,BK,W[,EARLY];... (three or four integers each)")
-    bad = [c for c in extra if c[0] % 4 or c[2] < 1 or c[1] % (1024 * c[2]) or c[3:] not in ((), (0,), (1,))]
+        ap.error("--configs takes BN,BK,W;... (integers)")
+    if any(len(c) != 3 for c in extra):
+        ap.error("--configs takes BN,BK,W;... (three integers each)")
+    bad = [c for c in extra if c[0] % 4 or c[2] < 1 or c[1] % (1024 * c[2])]
     if bad:
-        ap.error(f"--configs {bad}: BN a multiple of 4, BK a multiple of 1024 x W, EARLY 0 or 1")
+        ap.error(f"--configs {bad}: BN a multiple of 4, BK a multiple of 1024 x W")
     if not DRY_RUN and not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -124,16 +124,10 @@ def wait_for_producers(PDL: tl.constexpr):
 
 
 @helper
-def load_streamed(ptrs, mask, MASKED: tl.constexpr, EARLY: tl.constexpr):
-    """Weights read once per step: kept in L2 only (.cg), or with EARLY a volatile load (also L2 only), which ptxas
-    keeps in program order among volatile loads: the GEMVs use it to issue the next step's loads at the top of
-    their loops. MASKED: 0 where mask is false (else mask is not read)."""
+def load_streamed(ptrs, mask, MASKED: tl.constexpr):
+    """Weights read once per step, kept in L2 only (.cg). MASKED: 0 where mask is false (else mask is not read)."""
     if MASKED:
-        if EARLY:
-            return tl.load(ptrs, mask=mask, other=0.0, volatile=True)
         return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    if EARLY:
-        return tl.load(ptrs, volatile=True)
     return tl.load(ptrs, cache_modifier=".cg")
 
 

@@ -19,16 +19,15 @@ from lowbit.kernels.activation import silu_and_mul, silu_and_mul_ref
 
 STEP_BYTES, WARPS = 2048, 4  # per row and K step: 1024 bf16 or 2048 FP8 elements
 MAX_PROGRAMS_AT_4_ROWS = 1024
-EARLY_LOADS = False  # the next step's loads at the loop top (volatile loads; _dense_gemv_kernel): not yet measured
 # H200, Llama-3.1-8B shapes (`python3 bench/dense_gemv_bench.py`, benchmarks.md run 40), us per call: 4 rows per
 # program up to 1024 programs (o 4096->4096 9.8, down 14336->4096 28.8), else 8 (qkv 4096->6144 14.4, gate_up
 # 4096->28672 57.7, lm_head 4096->128256 237.1); cuBLAS bf16 13.6 / 31.9 / 15.4 / 56.5 / 238.9.
 # FP8 (fp8_gemv): lowbit.kernels.w8a8 runs it for one row of small layers, at its own config (run 41).
 
 
-def gemv_config(n: int, element_size: int = 2) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, EARLY) for N output rows of element_size-byte weights."""
-    return (4 if cdiv(n, 4) <= MAX_PROGRAMS_AT_4_ROWS else 8), STEP_BYTES // element_size, WARPS, int(EARLY_LOADS)
+def gemv_config(n: int, element_size: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for N output rows of element_size-byte weights."""
+    return (4 if cdiv(n, 4) <= MAX_PROGRAMS_AT_4_ROWS else 8), STEP_BYTES // element_size, WARPS
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -45,7 +44,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def dense_gemv(x, weight, bias=None, config=None, silu_mul=False):
     """x [1, K] bf16/fp16, weight [N, K] of x's dtype -> [1, N] in x's dtype (fp32 sums).
-    config (BLOCK_N, BLOCK_K, num_warps[, EARLY]), default gemv_config(N); BLOCK_K / 8 a multiple of 32 x num_warps.
+    config (BLOCK_N, BLOCK_K, num_warps), default gemv_config(N); BLOCK_K / 8 a multiple of 32 x num_warps.
     silu_mul: weight is a merged gate/up [2D, K]; the output is silu_and_mul of the GEMV's [1, 2D] output, [1, D]
     (each program takes BLOCK_N / 2 gate rows and the matching up rows)."""
     assert x.shape[0] == 1 and weight.dtype == x.dtype and weight.shape[1] == x.shape[1], (x.shape, weight.shape)
@@ -70,7 +69,7 @@ def fp8_gemv(q, weight, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, c
 def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config, silu_mul=False):
     assert use_triton(x)
     vec = 16 // weight.element_size()
-    block_n, block_k, warps, *early = config or gemv_config(weight.shape[0], weight.element_size())
+    block_n, block_k, warps = config or gemv_config(weight.shape[0], weight.element_size())
     assert block_k % (vec * 32 * warps) == 0, (block_k, warps)
     x = x.contiguous()
     weight = weight.contiguous()
@@ -81,22 +80,17 @@ def _launch(x, weight, scale_a, scale_b, bias, out_dtype, config, silu_mul=False
     _dense_gemv_kernel[(cdiv(N, block_n),)](
         x, weight, scale_a if scaled else out, scale_b if scaled else out, bias if bias is not None else out, out, N,
         K, HAS_BIAS=bias is not None, SCALED=scaled, ROW_SCALES=scaled and scale_b.numel() > 1, SILU_MUL=silu_mul,
-        VEC=vec, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, EARLY=bool(early and early[0]),
-        num_warps=warps)
+        VEC=vec, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, num_warps=warps)
     return out
 
 
 @early_kernel
 def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, HAS_BIAS: tl.constexpr,
                        SCALED: tl.constexpr, ROW_SCALES: tl.constexpr, SILU_MUL: tl.constexpr, VEC: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EARLY: tl.constexpr,
-                       PDL: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """out[0, n] for BLOCK_N rows n (clamped for the loads, masked at the store). EVEN_K: BLOCK_K | K. SCALED: times
     sa[0] and sb[0] (or sb[n], ROW_SCALES). SILU_MUL: rows are gate rows pid * BLOCK_N / 2 + j and their up rows
-    N / 2 later; out[pid * BLOCK_N / 2 + j] = silu(gate) * up (dense_gemv). EARLY: the next step's weights and this
-    step's x are volatile loads, which keeps them in program order at the top of the loop; otherwise ptxas issues
-    the weights 32-79 % of the way through it (offline, triton 3.6; registers 80 -> 125 at 8 bf16 rows, 62 -> 79 at
-    4, FP8 165 -> 198)."""
+    N / 2 later; out[pid * BLOCK_N / 2 + j] = silu(gate) * up (dense_gemv)."""
     C: tl.constexpr = BLOCK_K // VEC
     pid_n = tl.program_id(0)
     if SILU_MUL:
@@ -112,16 +106,16 @@ def _dense_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, N, K, HA
     w_ptrs = w_ptr + n_rows[None, :, None] * K + kk  # [C, BN, VEC]
     acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
     n_steps = tl.cdiv(K, BLOCK_K)
-    w = load_streamed(w_ptrs, kk < K, not EVEN_K, EARLY)
+    w = load_streamed(w_ptrs, kk < K, not EVEN_K)
     wait_for_producers(PDL)
     for kb in range(0, n_steps):
         k0 = kb * BLOCK_K
         k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
-        w_next = load_streamed(w_ptrs + k_next, k_next + kk < K, not EVEN_K, EARLY)
+        w_next = load_streamed(w_ptrs + k_next, k_next + kk < K, not EVEN_K)
         if EVEN_K:
-            xs = tl.load(x_ptr + k0 + kk, volatile=EARLY)
+            xs = tl.load(x_ptr + k0 + kk)
         else:
-            xs = tl.load(x_ptr + k0 + kk, mask=k0 + kk < K, other=0.0, volatile=EARLY)
+            xs = tl.load(x_ptr + k0 + kk, mask=k0 + kk < K, other=0.0)
         acc += tl.sum(w.to(tl.float32) * xs.to(tl.float32), axis=2)
         w = w_next
     out = tl.sum(acc, axis=0)

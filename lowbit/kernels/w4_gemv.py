@@ -43,14 +43,13 @@ GEMV_CONFIG_M2 = {"int4": (8, 2048, 2), "nvfp4": (4, 2048, 2)}  # M = 2: each fo
 
 def w4_gemv(x, w, bias=None, config=None):
     """x [M, K] bf16/fp16/fp32, M = 1 or 2 -> [M, N] in x's dtype, w a lowbit.kernels.w4a16.W4Weight. Two rows share
-    each dequantized weight (one more FMA per weight and row). config (BLOCK_N, BLOCK_K, num_warps[, EARLY]),
-    default GEMV_CONFIG[w.fmt] (M = 1) or GEMV_CONFIG_M2[w.fmt]; BLOCK_K a multiple of 1024 x num_warps; EARLY 1:
-    the next step's loads at the top of the loop (_w4_gemv_kernel; not yet measured on a GPU)."""
+    each dequantized weight (one more FMA per weight and row). config (BLOCK_N, BLOCK_K, num_warps), default
+    GEMV_CONFIG[w.fmt] (M = 1) or GEMV_CONFIG_M2[w.fmt]; BLOCK_K a multiple of 1024 x num_warps."""
     assert use_triton(x)
     x = x.contiguous()
     M, K = x.shape
     assert M in (1, 2), "the GEMV takes M = 1 or 2"
-    block_n, block_k, warps, *early = config or (GEMV_CONFIG if M == 1 else GEMV_CONFIG_M2)[w.fmt]
+    block_n, block_k, warps = config or (GEMV_CONFIG if M == 1 else GEMV_CONFIG_M2)[w.fmt]
     assert block_k % (1024 * warps) == 0, (block_k, warps)  # C = BLOCK_K / 32 chunks cover all threads
     assert block_n % 4 == 0, block_n  # INT4 scales of 4 rows per load
     if w.fmt == "int4":
@@ -62,7 +61,7 @@ def w4_gemv(x, w, bias=None, config=None):
         N, K, KP, KP // 8, w.global_scale * (2.0**14 if w.fmt == "nvfp4" else 1.0), 0x43800000,
         IS_FP4=w.fmt == "nvfp4", GROUP=w.group, HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=KP % block_k == 0, MASK_X=K % block_k != 0,
-        M2=M == 2, USE_ASM=not interpreting(), EARLY=bool(early and early[0]), num_warps=warps)
+        M2=M == 2, USE_ASM=not interpreting(), num_warps=warps)
     return out
 
 
@@ -90,13 +89,12 @@ def _split8(v):
 
 
 @helper
-def _x_word(x_ptr, smooth_ptr, k, K, HAS_SMOOTH: tl.constexpr, MASK_X: tl.constexpr, EARLY: tl.constexpr):
-    """The 8 x values of one word of every chunk ([C] each, fp32), k [C, 8] their indices (x = 0 past K). EARLY:
-    volatile loads (see _w4_gemv_kernel)."""
+def _x_word(x_ptr, smooth_ptr, k, K, HAS_SMOOTH: tl.constexpr, MASK_X: tl.constexpr):
+    """The 8 x values of one word of every chunk ([C] each, fp32), k [C, 8] their indices (x = 0 past K)."""
     if MASK_X:
-        xs = tl.load(x_ptr + k, mask=k < K, other=0.0, volatile=EARLY)
+        xs = tl.load(x_ptr + k, mask=k < K, other=0.0)
     else:
-        xs = tl.load(x_ptr + k, volatile=EARLY)
+        xs = tl.load(x_ptr + k)
     if HAS_SMOOTH:  # x * pre_quant_scale rounded to x's dtype (as the reference)
         if MASK_X:
             sm = tl.load(smooth_ptr + k, mask=k < K, other=0.0)
@@ -185,56 +183,55 @@ def _fp4_word(wd, x, y, ca, cb, USE_ASM: tl.constexpr, M2: tl.constexpr):
 
 @helper
 def _load_step(w_ptrs, s_ptr, k0, cc, n_rows, offs_n0, N, KP, IS_FP4: tl.constexpr, GROUP: tl.constexpr,
-               EVEN_K: tl.constexpr, EARLY: tl.constexpr):
+               EVEN_K: tl.constexpr):
     """Step k0: words [C, BN, 4] (uint32) and scales: NVFP4 [C, BN, 2] e4m3 (blocks 2(c%4), +1 of the 128-tile),
-    INT4 groups < 32 [C, BN, 2] (two groups per chunk), else [C, BN]. Chunks past KP load 0. EARLY: volatile loads
-    (see _w4_gemv_kernel)."""
+    INT4 groups < 32 [C, BN, 2] (two groups per chunk), else [C, BN]. Chunks past KP load 0."""
     kc = k0 + 32 * cc  # first k of each chunk [C]
-    words = load_streamed(w_ptrs + k0 // 8, (kc < KP)[:, None, None], not EVEN_K, EARLY)
+    words = load_streamed(w_ptrs + k0 // 8, (kc < KP)[:, None, None], not EVEN_K)
     if IS_FP4:
         b2 = tl.arange(0, 2)
         sp = s_ptr + ((kc // 128)[:, None, None] * N + n_rows[None, :, None]) * 8 + (2 * (cc % 4))[:, None, None] \
             + b2[None, None, :]
         if EVEN_K:
-            sc = tl.load(sp, volatile=EARLY)
+            sc = tl.load(sp)
         else:
-            sc = tl.load(sp, mask=(kc < KP)[:, None, None], other=0.0, volatile=EARLY)
+            sc = tl.load(sp, mask=(kc < KP)[:, None, None], other=0.0)
     elif GROUP < 32:
         b2 = tl.arange(0, 2)
         sp = s_ptr + ((kc[:, None] + 16 * b2[None, :]) // GROUP)[:, None, :] * N + n_rows[None, :, None]
         if EVEN_K:
-            sc = tl.load(sp, volatile=EARLY)
+            sc = tl.load(sp)
         else:
-            sc = tl.load(sp, mask=(kc < KP)[:, None, None], other=0.0, volatile=EARLY)
+            sc = tl.load(sp, mask=(kc < KP)[:, None, None], other=0.0)
     else:  # [C, BN/4, 4]: 4 rows per 16-byte load (rows not clamped: masked on N, vector loads when 16 | N)
         r4 = offs_n0 + 4 * tl.arange(0, n_rows.shape[0] // 4)[:, None] + tl.arange(0, 4)[None, :]
         sp = s_ptr + (kc // GROUP)[:, None, None] * N + r4[None, :, :]
         mask = (r4 < N)[None, :, :]
         if not EVEN_K:
             mask = mask & (kc < KP)[:, None, None]
-        sc = tl.reshape(tl.load(sp, mask=mask, other=0.0, volatile=EARLY), (kc.shape[0], n_rows.shape[0]))
+        sc = tl.reshape(tl.load(sp, mask=mask, other=0.0), (kc.shape[0], n_rows.shape[0]))
     return words.to(tl.uint32, bitcast=True), sc
 
 
 @helper
 def _step(acc, acc2, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4: tl.constexpr,
           TWO_SCALES: tl.constexpr, HAS_SMOOTH: tl.constexpr, MASK_X: tl.constexpr, USE_ASM: tl.constexpr,
-          M2: tl.constexpr, EARLY: tl.constexpr):
+          M2: tl.constexpr):
     """acc [C, BN] += the step's 32 products per chunk and row, scaled once per chunk (or per half chunk: NVFP4
     blocks, INT4 groups of 16); acc2 the same for x's second row (M2: x [2, K]), from the same dequantized weights.
     INT4 chains start at -offset (the 256 / 16 added to the nibbles and the 8 of q = u - 8, summed over x once per
     chunk for all rows)."""
     w0, w1, w2, w3 = _split4(words)
     kx = k0 + 32 * cc[:, None] + tl.arange(0, 8)[None, :]  # [C, 8]: x of word 0 of each chunk
-    xa = _x_word(x_ptr, smooth_ptr, kx, K, HAS_SMOOTH, MASK_X, EARLY)  # 8 tensors [C] each
-    xb = _x_word(x_ptr, smooth_ptr, kx + 8, K, HAS_SMOOTH, MASK_X, EARLY)
-    xc = _x_word(x_ptr, smooth_ptr, kx + 16, K, HAS_SMOOTH, MASK_X, EARLY)
-    xd = _x_word(x_ptr, smooth_ptr, kx + 24, K, HAS_SMOOTH, MASK_X, EARLY)
+    xa = _x_word(x_ptr, smooth_ptr, kx, K, HAS_SMOOTH, MASK_X)  # 8 tensors [C] each
+    xb = _x_word(x_ptr, smooth_ptr, kx + 8, K, HAS_SMOOTH, MASK_X)
+    xc = _x_word(x_ptr, smooth_ptr, kx + 16, K, HAS_SMOOTH, MASK_X)
+    xd = _x_word(x_ptr, smooth_ptr, kx + 24, K, HAS_SMOOTH, MASK_X)
     if M2:
-        ya = _x_word(x_ptr + K, smooth_ptr, kx, K, HAS_SMOOTH, MASK_X, EARLY)
-        yb = _x_word(x_ptr + K, smooth_ptr, kx + 8, K, HAS_SMOOTH, MASK_X, EARLY)
-        yc = _x_word(x_ptr + K, smooth_ptr, kx + 16, K, HAS_SMOOTH, MASK_X, EARLY)
-        yd = _x_word(x_ptr + K, smooth_ptr, kx + 24, K, HAS_SMOOTH, MASK_X, EARLY)
+        ya = _x_word(x_ptr + K, smooth_ptr, kx, K, HAS_SMOOTH, MASK_X)
+        yb = _x_word(x_ptr + K, smooth_ptr, kx + 8, K, HAS_SMOOTH, MASK_X)
+        yc = _x_word(x_ptr + K, smooth_ptr, kx + 16, K, HAS_SMOOTH, MASK_X)
+        yd = _x_word(x_ptr + K, smooth_ptr, kx + 24, K, HAS_SMOOTH, MASK_X)
     else:
         ya, yb, yc, yd = xa, xb, xc, xd
     if TWO_SCALES:
@@ -288,13 +285,10 @@ def _step(acc, acc2, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4:
 def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, N, K, KP, w_stride, global_scale, magic,
                     IS_FP4: tl.constexpr, GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MASK_X: tl.constexpr,
-                    M2: tl.constexpr, USE_ASM: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+                    M2: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] for BLOCK_N rows n, all of K, m = 0 (and 1, M2). EVEN_K: BLOCK_K | KP (no masked chunk); MASK_X:
     K % BLOCK_K != 0 (x and pre_quant_scale masked past K; the padded weights past K are 0 anyway). The first step's
-    weights are loaded before waiting for x's producer (PDL). EARLY: word, scale and x loads volatile, so that they
-    stay in program order: the next step's words and scales go out before this step's x, at the top of the loop.
-    Without it ptxas issues them two thirds of the way through the loop (offline, triton 3.6), after the current
-    words' last use; with it INT4 takes 165 registers instead of 128, NVFP4 on 4 rows 93 instead of 64."""
+    weights are loaded before waiting for x's producer (PDL)."""
     C: tl.constexpr = BLOCK_K // 32
     # magic = 0x43800000 (256.0f) from the host: an opaque value lives in a register, so that each nibble's mask and
     # OR is one LOP3 (with two immediates ptxas emits two)
@@ -310,14 +304,14 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, N, K, KP
     acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
     acc2 = acc  # the second x row's sums (M2)
     n_steps = tl.cdiv(KP, BLOCK_K)
-    words, sc = _load_step(w_ptrs, s_ptr, 0, cc, n_rows, offs_n0, N, KP, IS_FP4, GROUP, EVEN_K, EARLY)
+    words, sc = _load_step(w_ptrs, s_ptr, 0, cc, n_rows, offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
     wait_for_producers(PDL)
     for kb in range(0, n_steps):
         k0 = kb * BLOCK_K  # (a multiple of BLOCK_K the compiler can see: aligned 16-byte x loads)
         words_next, sc_next = _load_step(w_ptrs, s_ptr, tl.minimum(kb + 1, n_steps - 1) * BLOCK_K, cc, n_rows,
-                                         offs_n0, N, KP, IS_FP4, GROUP, EVEN_K, EARLY)
+                                         offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
         acc, acc2 = _step(acc, acc2, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4, TWO_SCALES,
-                          HAS_SMOOTH, MASK_X, USE_ASM, M2, EARLY)
+                          HAS_SMOOTH, MASK_X, USE_ASM, M2)
         words, sc = words_next, sc_next
     out = tl.sum(acc, axis=0) * global_scale
     if HAS_BIAS:
