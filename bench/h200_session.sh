@@ -14,6 +14,7 @@
 #   bash bench/h200_session.sh dense    # the batch-1 bf16 GEMV and its FP8 variant (routed for small layers)
 #   bash bench/h200_session.sh m2       # the W4 GEMV on two x rows vs w4_small_m / tensor cores; batch-2 decode steps
 #   bash bench/h200_session.sh itl      # batch-1 ITL of every format (bench/batch1_itl.py)
+#   bash bench/h200_session.sh w4big    # W4 at large M: dequantize + cuBLAS vs the tensor-core kernel; max load A / B
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -149,12 +150,26 @@ ncu)
         grep -E "^ +(Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|No Eligible) " "$OUT/$name.txt"
     done
     ;;
+w4big)
+    part "W4 at M = 64-4096: dequantize + cuBLAS (w4_dequant) vs the tensor-core kernel vs cuBLAS bf16, checked first"
+    timeout 300 python3 bench/w4_large_m_bench.py --json "$OUT/w4_large_m.json" 2>&1 | grep -E 'FAIL|^#|^\||failed'
+    part "engine check, int4_awq and nvfp4 (prompts of 200 and 700 tokens take the dequant path)"
+    timeout 100 python3 bench/serve_diag.py --phases check --formats int4_awq,nvfp4 2>&1 | grep '"format"' | cut -c1-300
+    for min_m in 1000000000 256; do
+        part "int4_awq / nvfp4 at maximum load (1024 x 128/128, batch 512), w4a16.DEQUANT_MIN_M = $min_m"
+        timeout 120 python3 -c "
+import lowbit.kernels.w4a16 as w; w.DEQUANT_MIN_M = $min_m
+from lowbit.bench_cli import load_script
+load_script('serve_bench.py').main(['--formats', 'int4_awq,nvfp4', '--phases', 'formats', '--max-batch-size', '512'])
+" 2>&1 | grep -E '^\[' | sed 's/"graph_sizes[^]]*], //'
+    done
+    ;;
 itl)
     part "batch-1 ITL of every format (ISL 128, OSL 256, three requests each)"
     timeout 300 python3 bench/batch1_itl.py --formats bf16,int4_awq,nvfp4,fp8 2>&1 | grep '"format"'
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl|w4big" >&2
     exit 2
     ;;
 esac

@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.checkpoint.formats import NVFP4_BLOCK, nvfp4_dequantize, unpack_e2m1, unpack_int4_rows
-from lowbit.kernels import split_k, w4_gemv, w4_small_m
+from lowbit.kernels import split_k, w4_dequant, w4_gemv, w4_small_m
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton, wait_for_producers
 
 PACK_K = 128
 NUM_SMS = 132  # H200; only steers the split-K heuristic
+DEQUANT_MIN_M = 256  # from this M on, w4a16_gemm dequantizes into a 16-bit scratch and runs cuBLAS (w4_dequant)
 
 
 @dataclass
@@ -259,12 +260,16 @@ def choose_config(M: int, N: int, KP: int, fmt: str = "int4"):
 
 def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
     """x [M, K] bf16/fp16 -> [M, N] in x's dtype. Decode (M <= w4_gemv.GEMV_MAX_M) runs the CUDA-core GEMV, small
-    batches of large INT4 layers w4_small_m (w4_small_m.takes), the rest (or an explicit tensor-core `config`) the
-    tensor-core kernel below."""
+    batches of large INT4 layers w4_small_m (w4_small_m.takes), M >= DEQUANT_MIN_M the dequantized weight through
+    cuBLAS (w4_dequant), the rest (or an explicit tensor-core `config`) the tensor-core kernel below."""
     if not use_triton(x):
         return w4a16_gemm_ref(x, w, bias)
     if config is None and x.shape[0] <= w4_gemv.GEMV_MAX_M:
         return w4_gemv.w4_gemv(x, w, bias)
+    if config is None and x.shape[0] >= DEQUANT_MIN_M:
+        y = w4_dequant.dequant_linear(x.contiguous(), w, bias)
+        if y is not None:  # None: a graph capture found the scratch too small
+            return y
     return tensor_core_gemm(x, w, bias, config)
 
 
