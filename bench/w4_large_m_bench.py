@@ -103,7 +103,8 @@ def main(argv=None) -> int:
     lines = []
 
     def emit(d):
-        d = {k: round(v, 2) if isinstance(v, float) else v for k, v in d.items()}
+        d = {k: (round(v, 2) if abs(v) >= 1 else float(f"{v:.3g}")) if isinstance(v, float) else v
+             for k, v in d.items()}
         lines.append(d)
         print(json.dumps(d), flush=True)
 

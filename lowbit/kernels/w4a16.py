@@ -22,7 +22,10 @@ from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_trit
 
 PACK_K = 128
 NUM_SMS = 132  # H200; only steers the split-K heuristic
-DEQUANT_MIN_M = 256  # from this M on, w4a16_gemm dequantizes into a 16-bit scratch and runs cuBLAS (w4_dequant)
+# From this M on, w4a16_gemm dequantizes into a 16-bit scratch and runs cuBLAS (w4_dequant). H200, per token-row of
+# Llama-3.1-8B's linears (bench/w4_large_m_bench.py, benchmarks.md run 45): at M = 128 INT4 9.8 vs 11.0 ms for the
+# tensor-core kernel, NVFP4 10.2 vs 13.1; at M = 64 the kernel wins (INT4 4.9 vs 9.4 ms)
+DEQUANT_MIN_M = 128
 
 
 @dataclass
