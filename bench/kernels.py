@@ -15,10 +15,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lowbit.bench_cli import load_script
-from lowbit.kernels import dense_linear, linear, prepare_linear, rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref
-from lowbit.kernels import scaled_gemm as sg
-from lowbit.kernels import w4_gemv, w4_small_m, w4a16
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without pip install -e
+
+from lowbit.bench_cli import load_script  # noqa: E402
+from lowbit.kernels import dense_linear, linear, prepare_linear, rms_norm, rms_norm_ref, silu_and_mul  # noqa: E402
+from lowbit.kernels import scaled_gemm as sg  # noqa: E402
+from lowbit.kernels import silu_and_mul_ref, w4_gemv, w4_small_m, w4a16  # noqa: E402
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out): qkv, o, gate_up, down
 MS = [1, 16, 64, 256, 4096]
