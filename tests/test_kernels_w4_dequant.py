@@ -11,21 +11,12 @@ pytest.importorskip("triton")
 
 from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.kernels import w4_dequant, w4a16  # noqa: E402
-from lowbit.kernels.synthetic import quantize_linear  # noqa: E402
+from lowbit.kernels.synthetic import random_w4_weight  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(),
                                 reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
 W_TOL = 2 ** -11  # each weight rounded once to fp16 (relative half-ulp 2^-11)
 GEMM_TOL = 2e-3  # fp16 GEMM on fp16-rounded weights vs the fp32 reference, both rounded to fp16
-
-
-def _packed(fmt, n, k, group, smooth, seed):
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02
-    if fmt == "int4":
-        t = quantize_linear("W4A16_AWQ", w, group=group, smooth=smooth)
-        return w4a16.pack_int4(t["weight"], t["weight_scale"], smooth)
-    t = quantize_linear("W4A16_NVFP4", w)
-    return w4a16.pack_nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"], smooth)
 
 
 @pytest.mark.parametrize("fmt,k,n,group", [
@@ -38,7 +29,7 @@ def _packed(fmt, n, k, group, smooth, seed):
     ("nvfp4", 400, 35, 16),  # K padded to 512
 ])
 def test_dequantized_weight_matches_reference(fmt, k, n, group):
-    packed = _packed(fmt, n, k, group, None, seed=k + n)
+    packed = random_w4_weight(fmt, n, k, group, None, seed=k + n)
     out = torch.full((n, k), float("nan"), dtype=torch.float16)
     w4_dequant.dequantize_into(packed, out)
     ref = w4a16.dequantize_w4(packed)[:, :k]
@@ -50,7 +41,7 @@ def test_large_m_gemm_matches_reference(fmt, smooth, bias, monkeypatch):
     m, k, n = w4a16.DEQUANT_MIN_M, 384, 24
     g = torch.Generator().manual_seed(7)
     sm = (0.5 + torch.rand(k, generator=g)).half() if smooth else None
-    packed = _packed(fmt, n, k, 128, sm, seed=3)
+    packed = random_w4_weight(fmt, n, k, 128, sm, seed=3)
     x = torch.randn(m, k, generator=g).half()
     b = torch.randn(n, generator=g).half() if bias else None
     monkeypatch.setattr(w4a16, "tensor_core_gemm", None)  # M >= DEQUANT_MIN_M must not reach the other kernels

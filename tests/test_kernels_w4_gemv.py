@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.kernels import w4_gemv, w4a16  # noqa: E402
-from lowbit.kernels.synthetic import quantize_linear  # noqa: E402
+from lowbit.kernels.synthetic import random_w4_weight  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(),
                                 reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
@@ -21,15 +21,6 @@ TOL = 1e-3  # fp16 output vs the reference (fp32 sums in another order, both rou
 
 def rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def _packed(fmt, n, k, group, smooth, seed):
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02
-    if fmt == "int4":
-        t = quantize_linear("W4A16_AWQ", w, group=group, smooth=smooth)
-        return w4a16.pack_int4(t["weight"], t["weight_scale"], smooth)
-    t = quantize_linear("W4A16_NVFP4", w)
-    return w4a16.pack_nvfp4(t["weight"], t["weight_scale"], t["weight_scale_2"], smooth)
 
 
 @pytest.mark.parametrize("fmt,k,n,group,config,smooth,bias", [
@@ -46,7 +37,7 @@ def _packed(fmt, n, k, group, smooth, seed):
 def test_gemv_matches_reference(fmt, k, n, group, config, smooth, bias):
     g = torch.Generator().manual_seed(k + n)
     sm = (0.5 + torch.rand(k, generator=g)).half() if smooth else None
-    packed = _packed(fmt, n, k, group, sm, seed=k)
+    packed = random_w4_weight(fmt, n, k, group, sm, seed=k)
     x = torch.randn(1, k, generator=g).half()
     b = torch.randn(n, generator=g).half() if bias else None
     out = w4_gemv.w4_gemv(x, packed, b, config)
@@ -67,7 +58,7 @@ def test_gemv_two_rows_match_reference(fmt, k, n, group, config, smooth, bias):
     the first row's x, offsets or scales, or was stored over it, fails here)."""
     g = torch.Generator().manual_seed(k + n + 1)
     sm = (0.5 + torch.rand(k, generator=g)).half() if smooth else None
-    packed = _packed(fmt, n, k, group, sm, seed=k + 1)
+    packed = random_w4_weight(fmt, n, k, group, sm, seed=k + 1)
     x = torch.randn(2, k, generator=g).half()
     b = torch.randn(n, generator=g).half() if bias else None
     out = w4_gemv.w4_gemv(x, packed, b, config)
@@ -78,7 +69,7 @@ def test_gemv_two_rows_match_reference(fmt, k, n, group, config, smooth, bias):
 
 
 def test_gemv_bf16():
-    packed = _packed("int4", 64, 2048, 64, None, seed=1)
+    packed = random_w4_weight("int4", 64, 2048, 64, None, seed=1)
     x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(2)).bfloat16()
     out = w4_gemv.w4_gemv(x, packed)
     assert out.dtype == torch.bfloat16
@@ -92,7 +83,7 @@ def test_gemv_accumulates_in_fp32(fmt, group, tol):
     arithmetic), so their fp32 rounding is ~2^-24 x 1000 |x| per FMA: measured 4e-6..1e-5 relative; bf16 output
     rounding is ~1e-3. NVFP4 values and products are exact in fp32 (~1.5e-7)."""
     k, n = 4096, 16
-    packed = _packed(fmt, n, k, group, None, seed=5)
+    packed = random_w4_weight(fmt, n, k, group, None, seed=5)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(6))
     ref = x.double() @ w4a16.dequantize_w4(packed).double().t()
     out = w4_gemv.w4_gemv(x, packed)
@@ -102,7 +93,7 @@ def test_gemv_accumulates_in_fp32(fmt, group, tol):
 
 def test_w4a16_gemm_dispatches_decode_to_the_gemv(monkeypatch):
     """w4a16_gemm runs M <= GEMV_MAX_M (= 2) on the GEMV, M = 3 on the tensor-core kernel."""
-    packed = _packed("nvfp4", 64, 2048, 16, None, seed=3)
+    packed = random_w4_weight("nvfp4", 64, 2048, 16, None, seed=3)
     calls = []
     real = w4_gemv.w4_gemv
     monkeypatch.setattr(w4_gemv, "w4_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
@@ -114,7 +105,7 @@ def test_w4a16_gemm_dispatches_decode_to_the_gemv(monkeypatch):
 
 
 def test_gemv_rejects_bad_shapes():
-    packed = _packed("int4", 16, 2048, 128, None, seed=7)
+    packed = random_w4_weight("int4", 16, 2048, 128, None, seed=7)
     with pytest.raises(AssertionError):  # M = 1 or 2 only
         w4_gemv.w4_gemv(torch.randn(3, 2048).half(), packed)
     with pytest.raises(AssertionError):  # BLOCK_K must cover 32 chunks per warp
