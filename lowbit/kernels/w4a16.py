@@ -24,7 +24,8 @@ PACK_K = 128
 NUM_SMS = 132  # H200; only steers the split-K heuristic
 # From this M on, w4a16_gemm dequantizes into a 16-bit scratch and runs cuBLAS (w4_dequant). H200, per token-row of
 # Llama-3.1-8B's linears (bench/w4_large_m_bench.py, benchmarks.md run 45): at M = 128 INT4 9.8 vs 11.0 ms for the
-# tensor-core kernel, NVFP4 10.2 vs 13.1; at M = 64 the kernel wins (INT4 4.9 vs 9.4 ms)
+# tensor-core kernel, NVFP4 10.2 vs 13.1; at M = 64 the kernel wins (INT4 4.9 vs 9.4 ms). Served at batch 192, 128
+# rather than 256: int4_awq 10,135 -> 10,938 output tok/s, nvfp4 8,156 -> 10,581
 DEQUANT_MIN_M = 128
 
 
