@@ -150,6 +150,15 @@ def graph_time_us(fns, reps) -> float:
     return load_script("kernels.py").time_us(calls, reps)
 
 
+def per_token_table(rows, ms, cols) -> str:
+    """Markdown: per M, each column's us summed over the rows of that M (the four shapes) x LAYERS, in ms."""
+    out = ["| M | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for m in ms:
+        per = [sum(r[c] for r in rows if r["M"] == m) * LAYERS / 1e3 for c in cols]
+        out.append(f"| {m} | " + " | ".join(f"{v:.3f}" for v in per) + " |")
+    return "\n".join(out)
+
+
 def copies_for(nbytes) -> int:
     return max(1, min(64, -(-4 * L2_BYTES // nbytes)))
 

@@ -26,7 +26,7 @@ from lowbit.kernels import w4_dequant, w4a16  # noqa: E402
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
 TOL = 3e-3  # bf16 weights (dequant path) or bf16 tiles (tensor-core kernel) against fp32 math: measured ~1e-3
 L2_BYTES = 60 * 2**20
-gemv_bench = load_script("w4_gemv_bench.py")  # random_weight, rel_err, weight_bytes
+gemv_bench = load_script("w4_gemv_bench.py")  # random_weight, rel_err, weight_bytes, per_token_table
 time_us = load_script("kernels.py").time_us
 
 
@@ -86,11 +86,7 @@ def time_shape(name, k, n, ms, reps, emit):
 
 def table(rows, ms) -> str:
     cols = ["bf16", "int4_tensor_core", "int4_dequant", "nvfp4_tensor_core", "nvfp4_dequant"]
-    out = ["| M | " + " | ".join(f"{c} ms/token-row x32" for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for m in ms:
-        per = [sum(r[c] for r in rows if r["M"] == m) * 32 / 1e3 for c in cols]
-        out.append(f"| {m} | " + " | ".join(f"{v:.3f}" for v in per) + " |")
-    return "\n".join(out)
+    return gemv_bench.per_token_table(rows, ms, cols)
 
 
 def main(argv=None) -> int:

@@ -89,18 +89,26 @@ def _split8(v):
 
 
 @helper
+def smoothed(xs, smooth_ptr, k, K, HAS_SMOOTH: tl.constexpr, MASK_X: tl.constexpr):
+    """xs (x at indices k, any shape) times pre_quant_scale[k] rounded to x's dtype, as the reference (HAS_SMOOTH);
+    MASK_X: k may pass K."""
+    if HAS_SMOOTH:
+        if MASK_X:
+            sm = tl.load(smooth_ptr + k, mask=k < K, other=0.0)
+        else:
+            sm = tl.load(smooth_ptr + k)
+        xs = (xs.to(tl.float32) * sm.to(xs.dtype).to(tl.float32)).to(xs.dtype)
+    return xs
+
+
+@helper
 def _x_word(x_ptr, smooth_ptr, k, K, HAS_SMOOTH: tl.constexpr, MASK_X: tl.constexpr):
     """The 8 x values of one word of every chunk ([C] each, fp32), k [C, 8] their indices (x = 0 past K)."""
     if MASK_X:
         xs = tl.load(x_ptr + k, mask=k < K, other=0.0)
     else:
         xs = tl.load(x_ptr + k)
-    if HAS_SMOOTH:  # x * pre_quant_scale rounded to x's dtype (as the reference)
-        if MASK_X:
-            sm = tl.load(smooth_ptr + k, mask=k < K, other=0.0)
-        else:
-            sm = tl.load(smooth_ptr + k)
-        xs = (xs.to(tl.float32) * sm.to(xs.dtype).to(tl.float32)).to(xs.dtype)
+    xs = smoothed(xs, smooth_ptr, k, K, HAS_SMOOTH, MASK_X)
     return _split8(tl.reshape(xs.to(tl.float32), (k.shape[0] * 8,)))
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.checkpoint.formats import NVFP4_BLOCK, nvfp4_dequantize, unpack_e2m1, unpack_int4_rows
-from lowbit.kernels import split_k, w4_dequant, w4_gemv, w4_small_m
+from lowbit.kernels import split_k, w4_dequant, w4_gemv, w4_mma, w4_small_m
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton, wait_for_producers
 
 PACK_K = 128
@@ -27,6 +27,9 @@ NUM_SMS = 132  # H200; only steers the split-K heuristic
 # tensor-core kernel, NVFP4 10.2 vs 13.1; at M = 64 the kernel wins (INT4 4.9 vs 9.4 ms). Served at batch 192, 128
 # rather than 256: int4_awq 10,135 -> 10,938 output tok/s, nvfp4 8,156 -> 10,581
 DEQUANT_MIN_M = 128
+# (lowest, highest) M that w4a16_gemm runs on w4_mma (INT4, groups of 128 or more, 16-bit x) ahead of the other
+# kernels; (0, 0): off, until it is timed on the H200 (bench/w4_mma_bench.py)
+MMA_ROWS = (0, 0)
 
 
 @dataclass
@@ -265,9 +268,14 @@ def choose_config(M: int, N: int, KP: int, fmt: str = "int4"):
 def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
     """x [M, K] bf16/fp16 -> [M, N] in x's dtype. Decode (M <= w4_gemv.GEMV_MAX_M) runs the CUDA-core GEMV, small
     batches of large INT4 layers w4_small_m (w4_small_m.takes), M >= DEQUANT_MIN_M the dequantized weight through
-    cuBLAS (w4_dequant), the rest (or an explicit tensor-core `config`) the tensor-core kernel below."""
+    cuBLAS (w4_dequant), the rest (or an explicit tensor-core `config`) the tensor-core kernel below. M in MMA_ROWS
+    (INT4) runs w4_mma first."""
     if not use_triton(x):
         return w4a16_gemm_ref(x, w, bias)
+    M = x.shape[0]
+    if config is None and MMA_ROWS[0] <= M <= MMA_ROWS[1] and w4_mma.supports(M, w) and \
+            x.dtype in (torch.bfloat16, torch.float16):
+        return w4_mma.w4_mma(x, w, bias)
     if config is None and x.shape[0] <= w4_gemv.GEMV_MAX_M:
         return w4_gemv.w4_gemv(x, w, bias)
     if config is None and x.shape[0] >= DEQUANT_MIN_M:

@@ -1,0 +1,65 @@
+"""INT4 on mma.sync for 1 <= M <= 8 x rows (lowbit.kernels.w4_mma) on CPU under the Triton interpreter, against the
+torch reference w4a16_gemm_ref: every x row count up to 8 (each lane holds two x rows of the mma's D), groups 128 and
+256, bf16 and fp16 x, pre_quant_scale and bias, K ragged (not a multiple of BLOCK_K: masked x), N not a
+multiple of the 16-row tile, split-K over warps. The interpreter emulates the dequantization and the warp's mma
+(the GPU runs inline PTX; bench/w4_small_m_bench.py checks that path against the same reference)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from lowbit.kernels._triton import interpreting  # noqa: E402
+from lowbit.kernels import w4_mma, w4a16  # noqa: E402
+from lowbit.kernels.synthetic import random_w4_weight  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreting(),
+                                reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
+# exact q x products, fp32 sums, one rounding of the output to x's dtype: fp16 measured ~3e-4; the interpreter
+# truncates fp32 -> bf16 casts (the GPU rounds to nearest): ~4e-3, up to 9e-3 on a 16-value row with x * smooth
+# truncated too. A row or column mapped wrongly gives errors of order 1.
+TOL = {torch.float16: 1e-3, torch.bfloat16: 1.5e-2}
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("m,k,n,group,dtype,config,smooth,bias", [
+    (8, 1024, 32, 128, torch.bfloat16, (16, 512, 2), False, False),  # two steps, U = 2 blocks per warp
+    (3, 1024, 32, 128, torch.bfloat16, (16, 256, 2), True, True),  # odd M: rows 3..7 of B are zeros
+    (1, 768, 18, 128, torch.float16, (16, 256, 1), False, True),  # N past the tile, fp16 (the f16 mma's magic)
+    (5, 896, 16, 128, torch.bfloat16, (32, 512, 2), True, False),  # K ragged (7 blocks in steps of 4): masked x
+    (8, 1024, 48, 256, torch.float16, (16, 512, 1), False, False),  # groups of 256
+    (2, 512, 16, 128, torch.bfloat16, None, False, True),  # MMA_CONFIG: one masked step
+])
+def test_w4_mma_matches_reference(m, k, n, group, dtype, config, smooth, bias):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    sm = (0.5 + torch.rand(k, generator=g)).to(dtype) if smooth else None
+    packed = random_w4_weight("int4", n, k, group, sm, seed=k + n)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    out = w4_mma.w4_mma(x, packed, b, config)
+    ref = w4a16.w4a16_gemm_ref(x, packed, b)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, ref) < TOL[dtype], rel_err(out, ref)
+    for row in range(m):  # every x row on its own (each lane stores two of them)
+        assert rel_err(out[row], ref[row]) < TOL[dtype], row
+
+
+def test_supports():
+    int4 = random_w4_weight("int4", 16, 256, 128)
+    assert w4_mma.supports(8, int4) and not w4_mma.supports(9, int4)
+    assert not w4_mma.supports(4, random_w4_weight("int4", 16, 256, 64))  # groups under 128
+    assert not w4_mma.supports(4, random_w4_weight("nvfp4", 16, 256, 16))
+
+
+def test_w4a16_gemm_routes_mma_rows(monkeypatch):
+    """With MMA_ROWS covering M, w4a16_gemm runs w4_mma (no other kernel), and still matches the reference."""
+    monkeypatch.setattr(w4a16, "MMA_ROWS", (1, 8))
+    monkeypatch.setattr(w4a16.w4_gemv, "w4_gemv", None)
+    monkeypatch.setattr(w4a16, "tensor_core_gemm", None)
+    packed = random_w4_weight("int4", 16, 512, 128, None, seed=2)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(2)).half()
+    out = w4a16.w4a16_gemm(x, packed)
+    assert rel_err(out, w4a16.w4a16_gemm_ref(x, packed)) < TOL[torch.float16]
