@@ -1,9 +1,9 @@
-"""INT4 at 1 <= M <= 8 on mma.sync (lowbit.kernels.w4_mma) on the GPU: checks, then times against the route
+"""INT4 at 1 <= M <= 16 on mma.sync (lowbit.kernels.w4_mma) on the GPU: checks, then times against the route
 w4a16_gemm takes today (the GEMV at M <= 2, w4_small_m / the tensor-core kernel above) and cuBLAS bf16.
 
-`python3 bench/w4_mma_bench.py [--m 1,2,4,8] [--configs "BN,BK,W;..."] [--reps N] [--json FILE]` (repo root):
+`python3 bench/w4_mma_bench.py [--m 1,2,4,8,16] [--configs "BN,BK,W;..."] [--reps N] [--json FILE]` (repo root):
 1. checks w4_mma (MMA_CONFIG and each --configs entry) against w4a16_gemm_ref (fp32 math) on fresh random weights:
-   the four Llama-3.1-8B shapes at M = 1, 3 and 8 (bf16), fp16 x, pre_quant_scale and bias, K not a multiple of
+   the four Llama-3.1-8B shapes at M = 1, 3, 8 and 16 (bf16), fp16 x, pre_quant_scale and bias, K not a multiple of
    BLOCK_K, N not a multiple of the tile, groups of 256, and a CUDA graph replayed on new x; rel err =
    ||out - ref|| / ||ref||, PASS below TOL; exit 1 if any check fails (timing still runs).
 2. times per shape and M: cuBLAS bf16 (F.linear), w4a16_gemm as routed today (MMA_ROWS off), w4_mma per config.
@@ -46,12 +46,13 @@ def check(emit, config, fmt_case) -> bool:
 
 
 def run_checks(emit, configs) -> bool:
-    cases = [(k, n, m, 128, torch.bfloat16, False, False) for _, k, n in SHAPES for m in (1, 3, 8)]
+    cases = [(k, n, m, 128, torch.bfloat16, False, False) for _, k, n in SHAPES for m in (1, 3, 8, 16)]
     cases += [(4096, 4096, 5, 128, torch.float16, True, True), (1152, 1030, 8, 128, torch.bfloat16, True, True),
+              (4096, 4096, 13, 128, torch.float16, True, True), (1152, 1030, 11, 128, torch.bfloat16, True, True),
               (14336, 130, 2, 256, torch.bfloat16, False, True)]
     ok = all([check(emit, c, case) for c in configs for case in cases])
     w = gemv_bench.random_weight("int4", 4096, 4096, dev="cuda")
-    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
     w4_mma.w4_mma(x, w)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -62,7 +63,7 @@ def run_checks(emit, configs) -> bool:
         out.fill_(float("nan"))
         g.replay()
         errs.append(gemv_bench.rel_err(out, w4a16.w4a16_gemm_ref(x, w)))
-    emit({"kind": "check", "config": w4_mma.MMA_CONFIG, "M": 8, "graph_replays": 2, "rel_err": max(errs), "tol": TOL,
+    emit({"kind": "check", "config": w4_mma.MMA_CONFIG, "M": 16, "graph_replays": 2, "rel_err": max(errs), "tol": TOL,
           "result": "PASS" if max(errs) < TOL else "FAIL"})
     return ok and max(errs) < TOL
 
@@ -96,7 +97,7 @@ def table(rows, ms, configs) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--m", default="1,2,4,8", help="rows of x, comma separated (at most 8)")
+    ap.add_argument("--m", default="1,2,4,8,16", help="rows of x, comma separated (at most 16)")
     ap.add_argument("--configs", default="", help="more w4_mma configs, BN,BK,W;... (checked, then timed)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--json", type=Path)

@@ -1,8 +1,8 @@
-"""INT4 on mma.sync for 1 <= M <= 8 x rows (lowbit.kernels.w4_mma) on CPU under the Triton interpreter, against the
-torch reference w4a16_gemm_ref: every x row count up to 8 (each lane holds two x rows of the mma's D), groups 128 and
-256, bf16 and fp16 x, pre_quant_scale and bias, K ragged (not a multiple of BLOCK_K: masked x), N not a
-multiple of the 16-row tile, split-K over warps. The interpreter emulates the dequantization and the warp's mma
-(the GPU runs inline PTX; bench/w4_small_m_bench.py checks that path against the same reference)."""
+"""INT4 on mma.sync for 1 <= M <= 16 x rows (lowbit.kernels.w4_mma) on CPU under the Triton interpreter, against the
+torch reference w4a16_gemm_ref: x row counts up to 16 (each lane holds two x rows of each mma's D; rows 9-16 are a
+second B tile), groups 128 and 256, bf16 and fp16 x, pre_quant_scale and bias, K ragged (not a multiple of BLOCK_K:
+masked x), N not a multiple of the 16-row tile, split-K over warps. The interpreter emulates the dequantization and
+the warp's mma (the GPU runs inline PTX; bench/w4_mma_bench.py checks that path against the same reference)."""
 
 import pytest
 import torch
@@ -32,6 +32,8 @@ def rel_err(out, ref):
     (5, 896, 16, 128, torch.bfloat16, (32, 512, 2), True, False),  # K ragged (7 blocks in steps of 4): masked x
     (8, 1024, 48, 256, torch.float16, (16, 512, 1), False, False),  # groups of 256
     (2, 512, 16, 128, torch.bfloat16, None, False, True),  # MMA_CONFIG: one masked step
+    (16, 1024, 32, 128, torch.float16, (16, 512, 2), False, True),  # two x tiles, all rows
+    (11, 896, 16, 128, torch.bfloat16, (32, 512, 2), True, False),  # two x tiles, rows 11-15 of the second zero
 ])
 def test_w4_mma_matches_reference(m, k, n, group, dtype, config, smooth, bias):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
@@ -49,7 +51,7 @@ def test_w4_mma_matches_reference(m, k, n, group, dtype, config, smooth, bias):
 
 def test_supports():
     int4 = random_w4_weight("int4", 16, 256, 128)
-    assert w4_mma.supports(8, int4) and not w4_mma.supports(9, int4)
+    assert w4_mma.supports(16, int4) and not w4_mma.supports(17, int4) and not w4_mma.supports(0, int4)
     assert not w4_mma.supports(4, random_w4_weight("int4", 16, 256, 64))  # groups under 128
     assert not w4_mma.supports(4, random_w4_weight("nvfp4", 16, 256, 16))
 

@@ -1,6 +1,7 @@
-"""INT4 weight-only GEMM for 1 <= M <= 8 x rows on tensor cores: mma.sync m16n8k16 with fp32 accumulation, the
+"""INT4 weight-only GEMM for 1 <= M <= 16 x rows on tensor cores: mma.sync m16n8k16 with fp32 accumulation, the
 weights dequantized in registers (no shared memory). The M = 1 GEMV's structure (lowbit.kernels.w4_gemv), with
-the tensor core doing the multiply-add: up to 8 x rows cost about what one does (the mma's N = 8 columns).
+the tensor core doing the multiply-add: up to 8 x rows cost about what one does (the mma's N = 8 columns); rows
+9-16 (X_TILES = 2) take a second mma on the same dequantized A registers.
 
 Same weights as lowbit.kernels.w4a16 (W4Weight, qweight int32 [N, KP/8], nibble s of word j = element 8j + s,
 u = q + 8; scales fp32 [KP/group, N]); no repacking. INT4 only, groups a multiple of 128 (one scale per 128-k block).
@@ -13,7 +14,8 @@ lane t of a quad takes the 32 k (4 words, one 16-byte load) kb + 32 t .. + 31 of
 register (LOP3 with the magic 128.0 / 1024.0, one HFMA2 to q = u - 8 exactly); mma 1 takes pairs 0, 1 as A columns
 (2t, 2t+1), (2t+8, 2t+9) of rows g, g + 8, mma 2 pairs 2, 3. B column n is x row n: lane (g, t) holds the pairs
 (x[g, k + p], x[g, k + p + 4]) of the same k (0 for rows g >= M), so the permuted k order is the same on both sides.
-D: lane (g, t) gets weight rows g (d0, d1) and g + 8 (d2, d3) for x rows 2t (d0, d2) and 2t + 1 (d1, d3).
+D: lane (g, t) gets weight rows g (d0, d1) and g + 8 (d2, d3) for x rows 2t (d0, d2) and 2t + 1 (d1, d3); the
+second tile's B holds x rows 8 + g, and its D x rows 8 + 2t, 9 + 2t.
 The eight mmas of a 128-k block (one group) chain in the tensor core's fp32 accumulator, then acc += D x scale.
 x dtype picks the mma type: bf16 -> bf16 mma (magic 128.0, a shift per pair), fp16 -> f16 (magic 1024.0: the high
 nibbles dequantize from bits 4..7 as 1024 + 16 u, one shift per word).
@@ -24,7 +26,7 @@ import torch
 from lowbit.kernels._triton import cdiv, helper, interpreting, kernel, tl, use_triton, wait_for_producers
 from lowbit.kernels.w4_gemv import smoothed
 
-MAX_M = 8  # the mma's N
+MAX_M = 16  # two tiles of the mma's N = 8 (rows 9-16 take a second mma per A fragment)
 MMA_CONFIG = (16, 2048, 4)  # (BLOCK_N, BLOCK_K, num_warps): U = BLOCK_K / (128 num_warps) blocks per warp and step
 
 
@@ -48,8 +50,8 @@ def w4_mma(x, w, bias=None, config=None):
         x, w.qweight, w.scales, w.smooth if w.smooth is not None else x, bias if bias is not None else x, out,
         M, N, K, KP, KP // 8, w.global_scale, 0x43004300 if bf16 else 0x64006400,
         BF16=bf16, GROUP=w.group, HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, WARPS=warps, EVEN_K=KP % block_k == 0, MASK_X=K % block_k != 0, EMULATE=interpreting(),
-        num_warps=warps)
+        BLOCK_K=block_k, WARPS=warps, EVEN_K=KP % block_k == 0, MASK_X=K % block_k != 0, X_TILES=1 if M <= 8 else 2,
+        EMULATE=interpreting(), num_warps=warps)
     return out
 
 
@@ -208,31 +210,36 @@ def _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, kb, KP, N, GROUP: tl.constexp
 
 @helper
 def _block(w0, w8, x_ptr, smooth_ptr, kx, xrow, M, K, magic, BF16: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-           MASK_X: tl.constexpr, EMULATE: tl.constexpr):
-    """The 8 chained mmas of every lane's 128-k block: w0, w8 [C, R, U, 4] words of rows g, g+8, kx [C, U] the
-    lane's first k. Returns D [C, R, U] = sum over the block of q x, fp32: d0 / d1 row g, x rows 2t / 2t+1; d2 / d3
-    row g+8."""
+           MASK_X: tl.constexpr, X_TILES: tl.constexpr, EMULATE: tl.constexpr):
+    """The chained mmas of every lane's 128-k block: w0, w8 [C, R, U, 4] words of rows g, g+8, kx [C, U] the lane's
+    first k. Returns D [C, R, U] = sum over the block of q x, fp32: d0 / d1 row g, x rows 2t / 2t+1; d2 / d3 row
+    g+8; with X_TILES = 2 also d4..d7, the same for x rows 8 + 2t / 8 + 2t+1 (the same A registers, a second B)."""
     z = tl.zeros(w0.shape[:3], tl.float32)
-    d0, d1, d2, d3 = z, z, z, z
+    d0, d1, d2, d3, d4, d5, d6, d7 = z, z, z, z, z, z, z, z
     g0 = _split4(w0)
     g8 = _split4(w8)
     for q in tl.static_range(4):  # word q of the lane: k = kx + 8q .. + 7
-        b0, b1, b2, b3 = _x_pairs(x_ptr, smooth_ptr, kx[:, :, None] + 8 * q + tl.arange(0, 8)[None, None, :], xrow,
-                                  M, K, BF16, HAS_SMOOTH, MASK_X)
+        kq = kx[:, :, None] + 8 * q + tl.arange(0, 8)[None, None, :]
+        b0, b1, b2, b3 = _x_pairs(x_ptr, smooth_ptr, kq, xrow, M, K, BF16, HAS_SMOOTH, MASK_X)
         e0, e1, e2, e3 = _dequant(g0[q], magic, BF16, EMULATE)
         f0, f1, f2, f3 = _dequant(g8[q], magic, BF16, EMULATE)
         d0, d1, d2, d3 = _mma(e0, f0, e1, f1, b0, b1, d0, d1, d2, d3, BF16, EMULATE)
         d0, d1, d2, d3 = _mma(e2, f2, e3, f3, b2, b3, d0, d1, d2, d3, BF16, EMULATE)
-    return d0, d1, d2, d3
+        if X_TILES == 2:
+            c0, c1, c2, c3 = _x_pairs(x_ptr, smooth_ptr, kq, xrow + 8, M, K, BF16, HAS_SMOOTH, MASK_X)
+            d4, d5, d6, d7 = _mma(e0, f0, e1, f1, c0, c1, d4, d5, d6, d7, BF16, EMULATE)
+            d4, d5, d6, d7 = _mma(e2, f2, e3, f3, c2, c3, d4, d5, d6, d7, BF16, EMULATE)
+    return d0, d1, d2, d3, d4, d5, d6, d7
 
 
 @kernel
 def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K, KP, w_stride, global_scale, magic,
                    BF16: tl.constexpr, GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WARPS: tl.constexpr, EVEN_K: tl.constexpr,
-                   MASK_X: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
-    """out[m, n] for m < M and BLOCK_N rows n, all of K. EVEN_K: BLOCK_K | KP; MASK_X: K % BLOCK_K != 0 (x masked past
-    K; the padded weights past K are q = 0). The first step's weights are loaded before the PDL wait."""
+                   MASK_X: tl.constexpr, X_TILES: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+    """out[m, n] for m < M (<= 8 X_TILES) and BLOCK_N rows n, all of K. EVEN_K: BLOCK_K | KP; MASK_X: K % BLOCK_K
+    != 0 (x masked past K; the padded weights past K are q = 0). The first step's weights are loaded before the PDL
+    wait."""
     C: tl.constexpr = 32 * WARPS  # lanes
     R: tl.constexpr = BLOCK_N // 16  # row blocks
     U: tl.constexpr = BLOCK_K // (128 * WARPS)  # 128-k blocks per warp and step
@@ -253,6 +260,7 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K, 
     s_ptrs8 = s_ptr + r8[:, :, None]
     acc0e = tl.zeros((C, R, U), tl.float32)  # weight row g, x row 2t
     acc0o, acc8e, acc8o = acc0e, acc0e, acc0e  # row g, x row 2t+1; row g+8, x rows 2t / 2t+1
+    bcc0e, bcc0o, bcc8e, bcc8o = acc0e, acc0e, acc0e, acc0e  # the same for x rows 8 + 2t, 8 + 2t+1 (X_TILES = 2)
     n_steps = tl.cdiv(KP, BLOCK_K)
     w0, w8, s0, s8 = _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, kl, KP, N, GROUP, EVEN_K)
     wait_for_producers(PDL)
@@ -260,16 +268,27 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K, 
         k0 = kb * BLOCK_K
         nxt = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
         w0n, w8n, s0n, s8n = _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, nxt + kl, KP, N, GROUP, EVEN_K)
-        d0, d1, d2, d3 = _block(w0, w8, x_ptr, smooth_ptr, k0 + kl, g, M, K, mg, BF16, HAS_SMOOTH, MASK_X, EMULATE)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _block(w0, w8, x_ptr, smooth_ptr, k0 + kl, g, M, K, mg, BF16, HAS_SMOOTH,
+                                                MASK_X, X_TILES, EMULATE)
         acc0e += d0 * s0
         acc0o += d1 * s0
         acc8e += d2 * s8
         acc8o += d3 * s8
+        if X_TILES == 2:
+            bcc0e += d4 * s0
+            bcc0o += d5 * s0
+            bcc8e += d6 * s8
+            bcc8o += d7 * s8
         w0, w8, s0, s8 = w0n, w8n, s0n, s8n
     _store(acc0e, rows0, 2 * t, bias_ptr, out_ptr, M, N, global_scale, HAS_BIAS)
     _store(acc0o, rows0, 2 * t + 1, bias_ptr, out_ptr, M, N, global_scale, HAS_BIAS)
     _store(acc8e, rows8, 2 * t, bias_ptr, out_ptr, M, N, global_scale, HAS_BIAS)
     _store(acc8o, rows8, 2 * t + 1, bias_ptr, out_ptr, M, N, global_scale, HAS_BIAS)
+    if X_TILES == 2:
+        _store(bcc0e, rows0, 8 + 2 * t, bias_ptr, out_ptr, M, N, global_scale, HAS_BIAS)
+        _store(bcc0o, rows0, 9 + 2 * t, bias_ptr, out_ptr, M, N, global_scale, HAS_BIAS)
+        _store(bcc8e, rows8, 8 + 2 * t, bias_ptr, out_ptr, M, N, global_scale, HAS_BIAS)
+        _store(bcc8o, rows8, 9 + 2 * t, bias_ptr, out_ptr, M, N, global_scale, HAS_BIAS)
 
 
 @helper
