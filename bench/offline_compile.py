@@ -12,7 +12,7 @@ versions differ.
 `python3 bench/offline_compile.py w4a16 int4,16,64,4,3 [FMT,BLOCK_M,BLOCK_N,WARPS,STAGES ...]`
 `python3 bench/offline_compile.py w4_gemv int4,8,2048,2 [FMT,BLOCK_N,BLOCK_K,WARPS ...]`
 `python3 bench/offline_compile.py dense_gemv bf16,8,1024,4 [bf16|fp8,BLOCK_N,BLOCK_K,WARPS ...]`
-`python3 bench/offline_compile.py w4_mma bf16,16,2048,4 [bf16|fp16[x2],BLOCK_N,BLOCK_K,WARPS ...]`  (x2: M 9-16)
+`python3 bench/offline_compile.py w4_mma bf16,16,2048,4 [bf16|fp16|nvfp4[x2],BLOCK_N,BLOCK_K,WARPS ...]`
 """
 import argparse
 import ast
@@ -143,18 +143,20 @@ def dense_gemv_job(dtype: str, block_n: int, block_k: int, warps: int) -> dict:
 
 
 def w4_mma_job(kind: str, block_n: int, block_k: int, warps: int) -> dict:
-    """INT4 group 128 on mma.sync for M <= 8 rows of bf16 or fp16 x (kind "bf16" / "fp16"), or M <= 16 ("bf16x2" /
-    "fp16x2": two x tiles), K a multiple of BLOCK_K, no bias / smooth."""
-    t = "*" + kind[:4]
-    types = dict(GEMV_TYPES, x_ptr=t, smooth_ptr=t, bias_ptr=t, out_ptr=t, M="i32")
-    constants = dict(BF16=kind.startswith("bf16"), GROUP=128, HAS_SMOOTH=False, HAS_BIAS=False, BLOCK_N=block_n,
-                     BLOCK_K=block_k, WARPS=warps, EVEN_K=True, MASK_X=False, X_TILES=2 if kind.endswith("x2") else 1,
-                     EMULATE=False)
+    """W4 on mma.sync: INT4 group 128 with bf16 or fp16 x (kind "bf16" / "fp16"), or NVFP4 with bf16 x ("nvfp4");
+    M <= 8 rows, or M <= 16 with "x2" appended (two x tiles); K a multiple of BLOCK_K, no bias / smooth."""
+    fp4 = kind.startswith("nvfp4")
+    t = "*bf16" if fp4 else "*" + kind[:4]
+    types = dict(GEMV_TYPES, x_ptr=t, smooth_ptr=t, bias_ptr=t, out_ptr=t, M="i32",
+                 **({"s_ptr": "*fp8e4nv"} if fp4 else {}))
+    constants = dict(IS_FP4=fp4, BF16=kind.startswith("bf16"), GROUP=16 if fp4 else 128, HAS_SMOOTH=False,
+                     HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k, WARPS=warps, EVEN_K=True, MASK_X=False,
+                     X_TILES=2 if kind.endswith("x2") else 1, EMULATE=False)
     return compile_kernel(w4_mma._w4_mma_kernel.fn, types, constants, warps, 1)
 
 
 GEMV_JOBS = {"w4_gemv": (("int4", "nvfp4"), w4_gemv_job), "dense_gemv": (("bf16", "fp8"), dense_gemv_job),
-             "w4_mma": (("bf16", "fp16", "bf16x2", "fp16x2"), w4_mma_job)}
+             "w4_mma": (("bf16", "fp16", "nvfp4", "bf16x2", "fp16x2", "nvfp4x2"), w4_mma_job)}
 
 
 def main(argv=None) -> int:

@@ -1,14 +1,15 @@
-"""INT4 at 1 <= M <= 16 on mma.sync (lowbit.kernels.w4_mma) on the GPU: checks, then times against the route
-w4a16_gemm takes today (the GEMV at M <= 2, w4_small_m / the tensor-core kernel above) and cuBLAS bf16.
+"""INT4 and NVFP4 at 1 <= M <= 16 on mma.sync (lowbit.kernels.w4_mma) on the GPU: checks, then times against the
+route w4a16_gemm takes today (the GEMV at M <= 2, w4_small_m / the tensor-core kernel above) and cuBLAS bf16.
 
 `python3 bench/w4_mma_bench.py [--m 1,2,4,8,16] [--configs "BN,BK,W;..."] [--reps N] [--json FILE]` (repo root):
-1. checks w4_mma (MMA_CONFIG and each --configs entry) against w4a16_gemm_ref (fp32 math) on fresh random weights:
-   the four Llama-3.1-8B shapes at M = 1, 3, 8 and 16 (bf16), fp16 x, pre_quant_scale and bias, K not a multiple of
-   BLOCK_K, N not a multiple of the tile, groups of 256, and a CUDA graph replayed on new x; rel err =
+1. checks w4_mma (MMA_CONFIG and each --configs entry) against w4a16_gemm_ref (fp32 math) on fresh random weights
+   (INT4 group 128 and NVFP4): the four Llama-3.1-8B shapes at M = 1, 3, 8 and 16 (bf16), fp16 x, pre_quant_scale
+   and bias, K not a multiple of BLOCK_K, N not a multiple of the tile, INT4 groups of 256, and a CUDA graph replayed
+   on new x; rel err =
    ||out - ref|| / ||ref||, PASS below TOL; exit 1 if any check fails (timing still runs).
 2. times per shape and M: cuBLAS bf16 (F.linear), w4a16_gemm as routed today (MMA_ROWS off), w4_mma per config.
    Medians of CUDA-graph replays (bench/kernels.py's time_us), weights in enough copies to stream from HBM.
-Prints JSON lines and a markdown table per token (the four linears x 32 layers, ms).
+Prints JSON lines and a markdown table per format and token (the four linears x 32 layers, ms).
 """
 import argparse
 import json
@@ -29,29 +30,32 @@ gemv_bench = load_script("w4_gemv_bench.py")  # random_weight, rel_err, copies_f
 time_us = load_script("kernels.py").time_us
 
 
-def check(emit, config, fmt_case) -> bool:
-    k, n, m, group, dtype, smooth, bias = fmt_case
+def check(emit, config, case) -> bool:
+    fmt, k, n, m, group, dtype, smooth, bias = case
     torch.manual_seed(k + n + m)
-    w = gemv_bench.random_weight("int4", k, n, group, smooth, dev="cuda")
+    w = gemv_bench.random_weight(fmt, k, n, group, smooth, dev="cuda")
     x = torch.randn(m, k, device="cuda").to(dtype)
     b = torch.randn(n, device="cuda").to(dtype) if bias else None
     out = w4_mma.w4_mma(x, w, b, config)
     ref = w4a16.w4a16_gemm_ref(x, w, b)
     err = max(gemv_bench.rel_err(out[r], ref[r]) for r in range(m))  # the worst x row (each lane stores two)
     ok = bool(torch.isfinite(out).all()) and err < TOL
-    emit({"kind": "check", "config": config or w4_mma.MMA_CONFIG, "K": k, "N": n, "M": m, "group": group,
+    emit({"kind": "check", "config": config or w4_mma.MMA_CONFIG, "fmt": fmt, "K": k, "N": n, "M": m, "group": group,
           "dtype": str(dtype).removeprefix("torch."), "smooth": smooth, "bias": bias, "rel_err": err, "tol": TOL,
           "result": "PASS" if ok else "FAIL"})
     return ok
 
 
 def run_checks(emit, configs) -> bool:
-    cases = [(k, n, m, 128, torch.bfloat16, False, False) for _, k, n in SHAPES for m in (1, 3, 8, 16)]
-    cases += [(4096, 4096, 5, 128, torch.float16, True, True), (1152, 1030, 8, 128, torch.bfloat16, True, True),
-              (4096, 4096, 13, 128, torch.float16, True, True), (1152, 1030, 11, 128, torch.bfloat16, True, True),
-              (14336, 130, 2, 256, torch.bfloat16, False, True)]
+    cases = [(f, k, n, m, 128 if f == "int4" else 16, torch.bfloat16, False, False)
+             for f in ("int4", "nvfp4") for _, k, n in SHAPES for m in (1, 3, 8, 16)]
+    bf, fp = torch.bfloat16, torch.float16
+    cases += [("int4", 4096, 4096, 5, 128, fp, True, True), ("int4", 1152, 1030, 8, 128, bf, True, True),
+              ("int4", 4096, 4096, 13, 128, fp, True, True), ("int4", 1152, 1030, 11, 128, bf, True, True),
+              ("int4", 14336, 130, 2, 256, bf, False, True), ("nvfp4", 2000, 1001, 5, 16, fp, True, True),
+              ("nvfp4", 1152, 1030, 11, 16, bf, True, True)]
     ok = all([check(emit, c, case) for c in configs for case in cases])
-    w = gemv_bench.random_weight("int4", 4096, 4096, dev="cuda")
+    w = gemv_bench.random_weight("nvfp4", 4096, 4096, dev="cuda")
     x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
     w4_mma.w4_mma(x, w)
     g = torch.cuda.CUDAGraph()
@@ -63,21 +67,21 @@ def run_checks(emit, configs) -> bool:
         out.fill_(float("nan"))
         g.replay()
         errs.append(gemv_bench.rel_err(out, w4a16.w4a16_gemm_ref(x, w)))
-    emit({"kind": "check", "config": w4_mma.MMA_CONFIG, "M": 16, "graph_replays": 2, "rel_err": max(errs), "tol": TOL,
-          "result": "PASS" if max(errs) < TOL else "FAIL"})
+    emit({"kind": "check", "config": w4_mma.MMA_CONFIG, "fmt": "nvfp4", "M": 16, "graph_replays": 2,
+          "rel_err": max(errs), "tol": TOL, "result": "PASS" if max(errs) < TOL else "FAIL"})
     return ok and max(errs) < TOL
 
 
 def run_timing(emit, ms, configs, reps) -> list:
     rows = []
-    for name, k, n in SHAPES:
-        ws = [gemv_bench.random_weight("int4", k, n, dev="cuda")
-              for _ in range(gemv_bench.copies_for(gemv_bench.weight_bytes("int4", k, n)))]
+    for (name, k, n), fmt in [(shape, f) for shape in SHAPES for f in ("int4", "nvfp4")]:
+        ws = [gemv_bench.random_weight(fmt, k, n, dev="cuda")
+              for _ in range(gemv_bench.copies_for(gemv_bench.weight_bytes(fmt, k, n)))]
         wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
               for _ in range(gemv_bench.copies_for(2 * n * k))]
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            row = {"kind": "time", "shape": name, "M": m,
+            row = {"kind": "time", "fmt": fmt, "shape": name, "M": m,
                    "cublas_bf16": time_us([lambda w=w: F.linear(x, w) for w in wb], reps),
                    "route": time_us([lambda w=w: w4a16.w4a16_gemm(x, w) for w in ws], reps)}
             for c in configs:
@@ -92,7 +96,8 @@ def run_timing(emit, ms, configs, reps) -> list:
 
 def table(rows, ms, configs) -> str:
     cols = ["cublas_bf16", "route"] + [str(c or w4_mma.MMA_CONFIG) for c in configs]
-    return gemv_bench.per_token_table(rows, ms, cols)
+    return "\n\n".join(f"{fmt}:\n" + gemv_bench.per_token_table([r for r in rows if r["fmt"] == fmt], ms, cols)
+                       for fmt in ("int4", "nvfp4"))
 
 
 def main(argv=None) -> int:
@@ -120,7 +125,7 @@ def main(argv=None) -> int:
 
     ok = run_checks(emit, configs)
     rows = run_timing(emit, ms, configs, args.reps)
-    print("### INT4 g128, ms per token (four linears x 32 layers); route = w4a16_gemm today")
+    print("### INT4 g128 and NVFP4, ms per token (four linears x 32 layers); route = w4a16_gemm today")
     print(table(rows, ms, configs))
     print(f"checks failed: {sum(d.get('result') == 'FAIL' for d in lines)}")
     if args.json:

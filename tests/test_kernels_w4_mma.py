@@ -1,8 +1,9 @@
-"""INT4 on mma.sync for 1 <= M <= 16 x rows (lowbit.kernels.w4_mma) on CPU under the Triton interpreter, against the
-torch reference w4a16_gemm_ref: x row counts up to 16 (each lane holds two x rows of each mma's D; rows 9-16 are a
-second B tile), groups 128 and 256, bf16 and fp16 x, pre_quant_scale and bias, K ragged (not a multiple of BLOCK_K:
-masked x), N not a multiple of the 16-row tile, split-K over warps. The interpreter emulates the dequantization and
-the warp's mma (the GPU runs inline PTX; bench/w4_mma_bench.py checks that path against the same reference)."""
+"""4-bit weights on mma.sync for 1 <= M <= 16 x rows (lowbit.kernels.w4_mma) on CPU under the Triton interpreter,
+against the torch reference w4a16_gemm_ref: x row counts up to 16 (each lane holds two x rows of each mma's D; rows
+9-16 are a second B tile), INT4 groups 128 and 256 and NVFP4 (block scales in the A registers), bf16 and fp16 x,
+pre_quant_scale and bias, K ragged (not a multiple of BLOCK_K: masked x) and padded, N not a multiple of the 16-row
+tile, split-K over warps. The interpreter emulates the dequantization and the warp's mma (the GPU runs inline PTX;
+bench/w4_mma_bench.py checks that path against the same reference)."""
 
 import pytest
 import torch
@@ -25,20 +26,24 @@ def rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-@pytest.mark.parametrize("m,k,n,group,dtype,config,smooth,bias", [
-    (8, 1024, 32, 128, torch.bfloat16, (16, 512, 2), False, False),  # two steps, U = 2 blocks per warp
-    (3, 1024, 32, 128, torch.bfloat16, (16, 256, 2), True, True),  # odd M: rows 3..7 of B are zeros
-    (1, 768, 18, 128, torch.float16, (16, 256, 1), False, True),  # N past the tile, fp16 (the f16 mma's magic)
-    (5, 896, 16, 128, torch.bfloat16, (32, 512, 2), True, False),  # K ragged (7 blocks in steps of 4): masked x
-    (8, 1024, 48, 256, torch.float16, (16, 512, 1), False, False),  # groups of 256
-    (2, 512, 16, 128, torch.bfloat16, None, False, True),  # MMA_CONFIG: one masked step
-    (16, 1024, 32, 128, torch.float16, (16, 512, 2), False, True),  # two x tiles, all rows
-    (11, 896, 16, 128, torch.bfloat16, (32, 512, 2), True, False),  # two x tiles, rows 11-15 of the second zero
+@pytest.mark.parametrize("fmt,m,k,n,group,dtype,config,smooth,bias", [
+    ("int4", 8, 1024, 32, 128, torch.bfloat16, (16, 512, 2), False, False),  # two steps, U = 2 blocks per warp
+    ("int4", 3, 1024, 32, 128, torch.bfloat16, (16, 256, 2), True, True),  # odd M: rows 3..7 of B are zeros
+    ("int4", 1, 768, 18, 128, torch.float16, (16, 256, 1), False, True),  # N past the tile, fp16 (the f16 mma's magic)
+    ("int4", 5, 896, 16, 128, torch.bfloat16, (32, 512, 2), True, False),  # K ragged (7 blocks in steps of 4): masked x
+    ("int4", 8, 1024, 48, 256, torch.float16, (16, 512, 1), False, False),  # groups of 256
+    ("int4", 2, 512, 16, 128, torch.bfloat16, None, False, True),  # MMA_CONFIG: one masked step
+    ("int4", 16, 1024, 32, 128, torch.float16, (16, 512, 2), False, True),  # two x tiles, all rows
+    ("int4", 11, 896, 16, 128, torch.bfloat16, (32, 512, 2), True, False),  # two x tiles, rows 11-15 of the second zero
+    ("nvfp4", 8, 1024, 32, 16, torch.bfloat16, (16, 512, 2), False, True),  # block scales in A, f16 mmas
+    ("nvfp4", 3, 896, 16, 16, torch.float16, (32, 512, 2), True, False),  # ragged K, smooth
+    ("nvfp4", 16, 512, 16, 16, torch.bfloat16, (16, 256, 1), False, False),  # two x tiles
+    ("nvfp4", 5, 400, 18, 16, torch.float16, (16, 256, 1), False, True),  # K padded to 512 (zero codes past K)
 ])
-def test_w4_mma_matches_reference(m, k, n, group, dtype, config, smooth, bias):
+def test_w4_mma_matches_reference(fmt, m, k, n, group, dtype, config, smooth, bias):
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     sm = (0.5 + torch.rand(k, generator=g)).to(dtype) if smooth else None
-    packed = random_w4_weight("int4", n, k, group, sm, seed=k + n)
+    packed = random_w4_weight(fmt, n, k, group, sm, seed=k + n)
     x = torch.randn(m, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     out = w4_mma.w4_mma(x, packed, b, config)
@@ -53,7 +58,7 @@ def test_supports():
     int4 = random_w4_weight("int4", 16, 256, 128)
     assert w4_mma.supports(16, int4) and not w4_mma.supports(17, int4) and not w4_mma.supports(0, int4)
     assert not w4_mma.supports(4, random_w4_weight("int4", 16, 256, 64))  # groups under 128
-    assert not w4_mma.supports(4, random_w4_weight("nvfp4", 16, 256, 16))
+    assert w4_mma.supports(4, random_w4_weight("nvfp4", 16, 256, 16))
 
 
 def test_w4a16_gemm_routes_mma_rows(monkeypatch):

@@ -1,10 +1,11 @@
-"""INT4 weight-only GEMM for 1 <= M <= 16 x rows on tensor cores: mma.sync m16n8k16 with fp32 accumulation, the
-weights dequantized in registers (no shared memory). The M = 1 GEMV's structure (lowbit.kernels.w4_gemv), with
-the tensor core doing the multiply-add: up to 8 x rows cost about what one does (the mma's N = 8 columns); rows
-9-16 (X_TILES = 2) take a second mma on the same dequantized A registers.
+"""Weight-only 4-bit GEMM (INT4, NVFP4) for 1 <= M <= 16 x rows on tensor cores: mma.sync m16n8k16 with fp32
+accumulation, the weights dequantized in registers (no shared memory). The M = 1 GEMV's structure
+(lowbit.kernels.w4_gemv), with the tensor core doing the multiply-add: up to 8 x rows cost about what one does (the
+mma's N = 8 columns); rows 9-16 (X_TILES = 2) take a second mma on the same dequantized A registers.
 
 Same weights as lowbit.kernels.w4a16 (W4Weight, qweight int32 [N, KP/8], nibble s of word j = element 8j + s,
-u = q + 8; scales fp32 [KP/group, N]); no repacking. INT4 only, groups a multiple of 128 (one scale per 128-k block).
+u = q + 8; INT4 scales fp32 [KP/group, N], groups a multiple of 128: one scale per 128-k block; NVFP4 e4m3
+[KP/128, N, 8] and a global scale); no repacking.
 
 Lane mapping (the mma's): a program owns BLOCK_N = 16 R weight rows; its C = 32 x num_warps lanes c = 32 w + 4 g + t
 (warp w, mma group g, thread-in-group t) are dim 0 of every tensor, all other dims live in the lane's registers.
@@ -16,9 +17,11 @@ register (LOP3 with the magic 128.0 / 1024.0, one HFMA2 to q = u - 8 exactly); m
 (x[g, k + p], x[g, k + p + 4]) of the same k (0 for rows g >= M), so the permuted k order is the same on both sides.
 D: lane (g, t) gets weight rows g (d0, d1) and g + 8 (d2, d3) for x rows 2t (d0, d2) and 2t + 1 (d1, d3); the
 second tile's B holds x rows 8 + g, and its D x rows 8 + 2t, 9 + 2t.
-The eight mmas of a 128-k block (one group) chain in the tensor core's fp32 accumulator, then acc += D x scale.
-x dtype picks the mma type: bf16 -> bf16 mma (magic 128.0, a shift per pair), fp16 -> f16 (magic 1024.0: the high
-nibbles dequantize from bits 4..7 as 1024 + 16 u, one shift per word).
+The eight mmas of a 128-k block chain in the tensor core's fp32 accumulator, then acc += D (x the INT4 group scale).
+INT4: x's dtype picks the mma type: bf16 -> bf16 mma (magic 128.0, a shift per pair), fp16 -> f16 (magic 1024.0:
+the high nibbles dequantize from bits 4..7 as 1024 + 16 u, one shift per word). NVFP4: f16 mmas (x rounded to fp16,
+as w4a16), each pair the e2m1 values x 2^-14 times the word's block scale (exact in fp16; a lane's 8 k lie in one
+16-block, but the lanes of one mma cover four blocks, so the scale goes into A); global scale x 2^14 at the end.
 Under the interpreter (no PTX) the dequantization and the warp-wide mma are emulated with Triton ops.
 """
 import torch
@@ -31,12 +34,12 @@ MMA_CONFIG = (16, 2048, 4)  # (BLOCK_N, BLOCK_K, num_warps): U = BLOCK_K / (128 
 
 
 def supports(M: int, w) -> bool:
-    """x rows and weights this kernel takes: 1 <= M <= MAX_M, INT4 with groups a multiple of 128."""
-    return 1 <= M <= MAX_M and w.fmt == "int4" and w.group % 128 == 0
+    """x rows and weights this kernel takes: 1 <= M <= MAX_M, NVFP4 or INT4 with groups a multiple of 128."""
+    return 1 <= M <= MAX_M and (w.fmt == "nvfp4" or w.group % 128 == 0)
 
 
 def w4_mma(x, w, bias=None, config=None):
-    """x [M, K] bf16/fp16, M <= MAX_M -> [M, N] in x's dtype; w an INT4 W4Weight with group % 128 == 0."""
+    """x [M, K] bf16/fp16, M <= MAX_M -> [M, N] in x's dtype; w a W4Weight that `supports` takes."""
     assert use_triton(x)
     M, K = x.shape
     assert supports(M, w) and x.dtype in (torch.bfloat16, torch.float16), (M, w.fmt, w.group, x.dtype)
@@ -45,13 +48,14 @@ def w4_mma(x, w, bias=None, config=None):
     x = x.contiguous()
     N, KP = w.out_features, w.qweight.shape[1] * 8
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    bf16 = x.dtype == torch.bfloat16
+    fp4 = w.fmt == "nvfp4"
+    bf16 = x.dtype == torch.bfloat16 and not fp4  # NVFP4 runs f16 mmas (x rounded to fp16, as w4a16)
     _w4_mma_kernel[(cdiv(N, block_n),)](
         x, w.qweight, w.scales, w.smooth if w.smooth is not None else x, bias if bias is not None else x, out,
-        M, N, K, KP, KP // 8, w.global_scale, 0x43004300 if bf16 else 0x64006400,
-        BF16=bf16, GROUP=w.group, HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, WARPS=warps, EVEN_K=KP % block_k == 0, MASK_X=K % block_k != 0, X_TILES=1 if M <= 8 else 2,
-        EMULATE=interpreting(), num_warps=warps)
+        M, N, K, KP, KP // 8, w.global_scale * (2.0**14 if fp4 else 1.0), 0x43004300 if bf16 else 0x64006400,
+        IS_FP4=fp4, BF16=bf16, GROUP=w.group, HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, WARPS=warps, EVEN_K=KP % block_k == 0, MASK_X=K % block_k != 0,
+        X_TILES=1 if M <= 8 else 2, EMULATE=interpreting(), num_warps=warps)
     return out
 
 
@@ -128,6 +132,24 @@ def _dequant(wd, magic, BF16: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @helper
+def _fp4_dequant(wd, p: tl.constexpr, scale2, EMULATE: tl.constexpr):
+    """uint32 word -> pair p = (nibble p, nibble p + 4) as f16x2, each the e2m1 value x 2^-14 x the block scale
+    (exact in fp16): the code's (e1 e0 m) go to bits 9..11 and its sign to bit 15 of each half (e = 0 gives the
+    subnormals 0 and 2^-15), then one HMUL2 by scale2 (the block scale in both halves)."""
+    if 9 - 4 * p >= 0:
+        mag = (wd << (9 - 4 * p)) & 0x0E000E00
+    else:
+        mag = (wd >> (4 * p - 9)) & 0x0E000E00
+    t = ((wd << (12 - 4 * p)) & 0x80008000) | mag
+    if EMULATE:
+        lo, hi = _unpair(t, False)
+        s, _ = _unpair(scale2, False)
+        return _pair((lo * s).to(tl.float16), (hi * s).to(tl.float16))
+    return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [t, scale2], dtype=tl.uint32,
+                                     is_pure=True, pack=1)
+
+
+@helper
 def _emulated_products(a_lo, a_hi, b_lo, b_hi):
     """The mma's D for one A row slot, emulated: [C, R, U] per lane -> (D[row g, col 2t], D[row g, col 2t + 1]), where
     D[g, n] = sum over the quad's lanes t' of a(lane g, t') . b(lane n, t') (column n of B lives in lanes g = n)."""
@@ -190,10 +212,15 @@ def _x_pairs(x_ptr, smooth_ptr, kx, xrow, M, K, BF16: tl.constexpr, HAS_SMOOTH: 
 
 
 @helper
-def _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, kb, KP, N, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
-    """Words [C, R, U, 4] of rows g and g+8 and their scales [C, R, U] for the blocks kb [C, U] (0 past KP)."""
+def _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, kb, KP, N, IS_FP4: tl.constexpr, GROUP: tl.constexpr,
+               EVEN_K: tl.constexpr):
+    """Words [C, R, U, 4] of rows g and g+8 and their scales for the lanes' 32-k chunks kb [C, U] (0 past KP):
+    INT4 the group's [C, R, U] (fp32); NVFP4 the chunk's two 16-blocks [C, R, U, 2] (fp16; s_ptrs at row x 8)."""
     kw = (kb // 8)[:, None, :, None]
-    ks = (kb // GROUP * N)[:, None, :]
+    if IS_FP4:  # scales [KP/128, N, 8]: tile kb // 128, blocks (kb % 128) / 16 and the next
+        ks = ((kb // 128) * N * 8 + (kb % 128) // 16)[:, None, :, None] + tl.arange(0, 2)[None, None, None, :]
+    else:
+        ks = (kb // GROUP * N)[:, None, :]
     if EVEN_K:
         w0 = tl.load(w_ptrs0 + kw, cache_modifier=".cg")
         w8 = tl.load(w_ptrs8 + kw, cache_modifier=".cg")
@@ -201,19 +228,37 @@ def _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, kb, KP, N, GROUP: tl.constexp
         s8 = tl.load(s_ptrs8 + ks)
     else:
         inb = (kb < KP)[:, None, :]
+        smask = inb[:, :, :, None] if IS_FP4 else inb
         w0 = tl.load(w_ptrs0 + kw, mask=inb[:, :, :, None], other=0, cache_modifier=".cg")
         w8 = tl.load(w_ptrs8 + kw, mask=inb[:, :, :, None], other=0, cache_modifier=".cg")
-        s0 = tl.load(s_ptrs0 + ks, mask=inb, other=0.0)
-        s8 = tl.load(s_ptrs8 + ks, mask=inb, other=0.0)
+        s0 = tl.load(s_ptrs0 + ks, mask=smask, other=0.0)
+        s8 = tl.load(s_ptrs8 + ks, mask=smask, other=0.0)
+    if IS_FP4:
+        s0 = s0.to(tl.float16)
+        s8 = s8.to(tl.float16)
     return w0.to(tl.uint32, bitcast=True), w8.to(tl.uint32, bitcast=True), s0, s8
 
 
 @helper
-def _block(w0, w8, x_ptr, smooth_ptr, kx, xrow, M, K, magic, BF16: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-           MASK_X: tl.constexpr, X_TILES: tl.constexpr, EMULATE: tl.constexpr):
-    """The chained mmas of every lane's 128-k block: w0, w8 [C, R, U, 4] words of rows g, g+8, kx [C, U] the lane's
-    first k. Returns D [C, R, U] = sum over the block of q x, fp32: d0 / d1 row g, x rows 2t / 2t+1; d2 / d3 row
-    g+8; with X_TILES = 2 also d4..d7, the same for x rows 8 + 2t / 8 + 2t+1 (the same A registers, a second B)."""
+def _a_regs(wd, magic, sc, q: tl.constexpr, IS_FP4: tl.constexpr, BF16: tl.constexpr, EMULATE: tl.constexpr):
+    """Word q of a lane's chunk -> its 4 A registers (pairs 0-3). NVFP4: times the block scale of word q (sc [C, R,
+    U, 2]: the chunk's two 16-blocks, words 0-1 and 2-3)."""
+    if IS_FP4:
+        s_lo, s_hi = tl.split(sc)
+        s16 = s_lo if q < 2 else s_hi
+        scale2 = _pair(s16, s16)
+        return (_fp4_dequant(wd, 0, scale2, EMULATE), _fp4_dequant(wd, 1, scale2, EMULATE),
+                _fp4_dequant(wd, 2, scale2, EMULATE), _fp4_dequant(wd, 3, scale2, EMULATE))
+    return _dequant(wd, magic, BF16, EMULATE)
+
+
+@helper
+def _block(w0, w8, s0, s8, x_ptr, smooth_ptr, kx, xrow, M, K, magic, IS_FP4: tl.constexpr, BF16: tl.constexpr,
+           HAS_SMOOTH: tl.constexpr, MASK_X: tl.constexpr, X_TILES: tl.constexpr, EMULATE: tl.constexpr):
+    """The chained mmas of every lane's 128-k block: w0, w8 [C, R, U, 4] words of rows g, g+8 and their scales, kx
+    [C, U] the lane's first k. Returns D [C, R, U] = sum over the block of w x, fp32, scaled: d0 / d1 row g, x rows
+    2t / 2t+1; d2 / d3 row g+8; with X_TILES = 2 also d4..d7, the same for x rows 8 + 2t / 8 + 2t+1 (the same A
+    registers, a second B). INT4: the group scale multiplies D; NVFP4: the block scales are in A."""
     z = tl.zeros(w0.shape[:3], tl.float32)
     d0, d1, d2, d3, d4, d5, d6, d7 = z, z, z, z, z, z, z, z
     g0 = _split4(w0)
@@ -221,22 +266,26 @@ def _block(w0, w8, x_ptr, smooth_ptr, kx, xrow, M, K, magic, BF16: tl.constexpr,
     for q in tl.static_range(4):  # word q of the lane: k = kx + 8q .. + 7
         kq = kx[:, :, None] + 8 * q + tl.arange(0, 8)[None, None, :]
         b0, b1, b2, b3 = _x_pairs(x_ptr, smooth_ptr, kq, xrow, M, K, BF16, HAS_SMOOTH, MASK_X)
-        e0, e1, e2, e3 = _dequant(g0[q], magic, BF16, EMULATE)
-        f0, f1, f2, f3 = _dequant(g8[q], magic, BF16, EMULATE)
+        e0, e1, e2, e3 = _a_regs(g0[q], magic, s0, q, IS_FP4, BF16, EMULATE)
+        f0, f1, f2, f3 = _a_regs(g8[q], magic, s8, q, IS_FP4, BF16, EMULATE)
         d0, d1, d2, d3 = _mma(e0, f0, e1, f1, b0, b1, d0, d1, d2, d3, BF16, EMULATE)
         d0, d1, d2, d3 = _mma(e2, f2, e3, f3, b2, b3, d0, d1, d2, d3, BF16, EMULATE)
         if X_TILES == 2:
             c0, c1, c2, c3 = _x_pairs(x_ptr, smooth_ptr, kq, xrow + 8, M, K, BF16, HAS_SMOOTH, MASK_X)
             d4, d5, d6, d7 = _mma(e0, f0, e1, f1, c0, c1, d4, d5, d6, d7, BF16, EMULATE)
             d4, d5, d6, d7 = _mma(e2, f2, e3, f3, c2, c3, d4, d5, d6, d7, BF16, EMULATE)
+    if not IS_FP4:
+        d0, d1, d2, d3 = d0 * s0, d1 * s0, d2 * s8, d3 * s8
+        d4, d5, d6, d7 = d4 * s0, d5 * s0, d6 * s8, d7 * s8
     return d0, d1, d2, d3, d4, d5, d6, d7
 
 
 @kernel
 def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K, KP, w_stride, global_scale, magic,
-                   BF16: tl.constexpr, GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WARPS: tl.constexpr, EVEN_K: tl.constexpr,
-                   MASK_X: tl.constexpr, X_TILES: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+                   IS_FP4: tl.constexpr, BF16: tl.constexpr, GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WARPS: tl.constexpr,
+                   EVEN_K: tl.constexpr, MASK_X: tl.constexpr, X_TILES: tl.constexpr, EMULATE: tl.constexpr,
+                   PDL: tl.constexpr):
     """out[m, n] for m < M (<= 8 X_TILES) and BLOCK_N rows n, all of K. EVEN_K: BLOCK_K | KP; MASK_X: K % BLOCK_K
     != 0 (x masked past K; the padded weights past K are q = 0). The first step's weights are loaded before the PDL
     wait."""
@@ -256,29 +305,33 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K, 
     w4 = tl.arange(0, 4)[None, None, None, :]
     w_ptrs0 = w_ptr + r0[:, :, None, None] * w_stride + w4
     w_ptrs8 = w_ptr + r8[:, :, None, None] * w_stride + w4
-    s_ptrs0 = s_ptr + r0[:, :, None]
-    s_ptrs8 = s_ptr + r8[:, :, None]
+    if IS_FP4:
+        s_ptrs0 = s_ptr + r0[:, :, None, None] * 8
+        s_ptrs8 = s_ptr + r8[:, :, None, None] * 8
+    else:
+        s_ptrs0 = s_ptr + r0[:, :, None]
+        s_ptrs8 = s_ptr + r8[:, :, None]
     acc0e = tl.zeros((C, R, U), tl.float32)  # weight row g, x row 2t
     acc0o, acc8e, acc8o = acc0e, acc0e, acc0e  # row g, x row 2t+1; row g+8, x rows 2t / 2t+1
     bcc0e, bcc0o, bcc8e, bcc8o = acc0e, acc0e, acc0e, acc0e  # the same for x rows 8 + 2t, 8 + 2t+1 (X_TILES = 2)
     n_steps = tl.cdiv(KP, BLOCK_K)
-    w0, w8, s0, s8 = _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, kl, KP, N, GROUP, EVEN_K)
+    w0, w8, s0, s8 = _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, kl, KP, N, IS_FP4, GROUP, EVEN_K)
     wait_for_producers(PDL)
     for kb in range(0, n_steps):
         k0 = kb * BLOCK_K
         nxt = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
-        w0n, w8n, s0n, s8n = _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, nxt + kl, KP, N, GROUP, EVEN_K)
-        d0, d1, d2, d3, d4, d5, d6, d7 = _block(w0, w8, x_ptr, smooth_ptr, k0 + kl, g, M, K, mg, BF16, HAS_SMOOTH,
-                                                MASK_X, X_TILES, EMULATE)
-        acc0e += d0 * s0
-        acc0o += d1 * s0
-        acc8e += d2 * s8
-        acc8o += d3 * s8
+        w0n, w8n, s0n, s8n = _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, nxt + kl, KP, N, IS_FP4, GROUP, EVEN_K)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _block(w0, w8, s0, s8, x_ptr, smooth_ptr, k0 + kl, g, M, K, mg, IS_FP4,
+                                                BF16, HAS_SMOOTH, MASK_X, X_TILES, EMULATE)
+        acc0e += d0
+        acc0o += d1
+        acc8e += d2
+        acc8o += d3
         if X_TILES == 2:
-            bcc0e += d4 * s0
-            bcc0o += d5 * s0
-            bcc8e += d6 * s8
-            bcc8o += d7 * s8
+            bcc0e += d4
+            bcc0o += d5
+            bcc8e += d6
+            bcc8o += d7
         w0, w8, s0, s8 = w0n, w8n, s0n, s8n
     _store(acc0e, rows0, 2 * t, bias_ptr, out_ptr, M, N, global_scale, HAS_BIAS)
     _store(acc0o, rows0, 2 * t + 1, bias_ptr, out_ptr, M, N, global_scale, HAS_BIAS)

@@ -27,8 +27,8 @@ NUM_SMS = 132  # H200; only steers the split-K heuristic
 # tensor-core kernel, NVFP4 10.2 vs 13.1; at M = 64 the kernel wins (INT4 4.9 vs 9.4 ms). Served at batch 192, 128
 # rather than 256: int4_awq 10,135 -> 10,938 output tok/s, nvfp4 8,156 -> 10,581
 DEQUANT_MIN_M = 128
-# (lowest, highest) M that w4a16_gemm runs on w4_mma (INT4, groups of 128 or more, 16-bit x) ahead of the other
-# kernels; (0, 0): off, until it is timed on the H200 (bench/w4_mma_bench.py)
+# (lowest, highest) M that w4a16_gemm runs on w4_mma (NVFP4, INT4 groups of 128 or more; 16-bit x) ahead of the
+# other kernels; (0, 0): off, until it is timed on the H200 (bench/w4_mma_bench.py)
 MMA_ROWS = (0, 0)
 
 
@@ -269,7 +269,7 @@ def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
     """x [M, K] bf16/fp16 -> [M, N] in x's dtype. Decode (M <= w4_gemv.GEMV_MAX_M) runs the CUDA-core GEMV, small
     batches of large INT4 layers w4_small_m (w4_small_m.takes), M >= DEQUANT_MIN_M the dequantized weight through
     cuBLAS (w4_dequant), the rest (or an explicit tensor-core `config`) the tensor-core kernel below. M in MMA_ROWS
-    (INT4) runs w4_mma first."""
+    runs w4_mma first (where w4_mma.supports the weights)."""
     if not use_triton(x):
         return w4a16_gemm_ref(x, w, bias)
     M = x.shape[0]
