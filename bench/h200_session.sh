@@ -167,7 +167,7 @@ load_script('serve_bench.py').main(['--formats', 'int4_awq,nvfp4', '--phases', '
     ;;
 mma)
     part "INT4 / NVFP4 at M = 1-16 on mma.sync (w4_mma) vs today's route and cuBLAS bf16, checked first"
-    timeout 240 python3 bench/w4_mma_bench.py --configs "16,1024,2;16,4096,8" --json "$OUT/w4_mma.json" \
+    timeout 300 python3 bench/w4_mma_bench.py --configs "32,1024,4;16,4096,8" --json "$OUT/w4_mma.json" \
         2>&1 | grep -E 'FAIL|^#|^\||failed|^int4|^nvfp4'
     rows="lowbit.kernels.w4a16.MMA_ROWS=(1,16)"
     part "engine check, int4_awq and nvfp4, with $rows (short prompts and the batch-2 / 4 decode steps take it)"
