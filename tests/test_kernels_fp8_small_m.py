@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from lowbit.kernels import fp8_small_m as fsm  # noqa: E402
+from lowbit.kernels import fp8_small_m as fsm, scratch  # noqa: E402
 from lowbit.kernels import w8a8  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.kernels.scaled_gemm import scaled_gemm_ref  # noqa: E402
@@ -96,13 +96,15 @@ def test_default_configs_on_llama_shapes():
 
 def test_workspace_grows_and_keeps_older_buffers():
     dev = torch.device("cpu")
+    key = ("fp8_small_m partials", dev, torch.float32)
     fsm._WORKSPACE.pop(dev, None)
+    scratch._BUFFERS.pop(key, None)
     small, counters = fsm._workspace(dev, 100)
     again, _ = fsm._workspace(dev, 50)
     assert again is small and counters.dtype == torch.int32 and int(counters.abs().sum()) == 0
     large, same_counters = fsm._workspace(dev, 1000)
-    assert large.numel() >= 1000 and same_counters is counters
-    assert any(t is small for t in fsm._WORKSPACE[dev]["retired"])  # graphs captured earlier may point at it
+    assert large.numel() >= 1000 and same_counters is counters and large is not small
+    assert any(t is small for t in scratch._BUFFERS[key]["retired"])  # graphs captured earlier may point at it
 
 
 def test_w8a8_scale_kinds_and_cpu_route():

@@ -23,6 +23,7 @@ serialize, so one workspace per device serves every layer.
 """
 import torch
 
+from lowbit.kernels import scratch
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton, wait_for_producers
 
 MAX_M = 32
@@ -147,26 +148,20 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, ws_ptr,
                                 BLOCK_N, M_PAD)
 
 
-# ---- workspace: one per device, grown outside graph capture, never freed
-_WORKSPACE: dict = {}
+# ---- workspace: the partials in a scratch buffer (lowbit.kernels.scratch); the counters, once per device
+_WORKSPACE: dict = {}  # device -> {"counters": int32 [COUNTER_SLOTS], zero between launches}
 
 
 def _workspace(device, floats: int):
-    """(partials fp32 >= floats, counters int32 [COUNTER_SLOTS], zero between launches), or (None, None) while a
-    CUDA graph is being captured and the partials are too small (memory taken then would belong to the graph's
-    pool). A buffer replaced by a larger one stays allocated: graphs captured earlier still point at it."""
-    ws = _WORKSPACE.get(device)
-    if ws is not None and ws["partials"].numel() >= floats:
-        return ws["partials"], ws["counters"]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    """(partials fp32 >= floats, counters int32 [COUNTER_SLOTS]), or (None, None) while a CUDA graph is being
+    captured and the partials are too small (scratch.grown)."""
+    partials = scratch.grown("fp8_small_m partials", device, torch.float32, floats)
+    if partials is None:
         return None, None
-    if ws is None:
-        ws = _WORKSPACE[device] = {"partials": None, "retired": [],
-                                   "counters": torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)}
-    else:
-        ws["retired"].append(ws["partials"])
-    ws["partials"] = torch.empty(next_pow2(floats), device=device)
-    return ws["partials"], ws["counters"]
+    ws = _WORKSPACE.get(device)
+    if ws is None:  # created with the first partials, outside any capture
+        ws = _WORKSPACE[device] = {"counters": torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)}
+    return partials, ws["counters"]
 
 
 # ---- configs

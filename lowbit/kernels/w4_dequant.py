@@ -6,31 +6,17 @@ dequantize-in-the-loop kernel (which dequantizes each weight once per M tile); t
 the 4-bit weights and one write of the 16-bit ones (~0.3 GB for a 4096 x 28672 layer), once per call.
 Same layout as lowbit.kernels.w4a16 (W4Weight): qweight int32 [N, KP/8], nibble s of word j = element 8j+s;
 INT4 scales fp32 [KP/group, N] (value (u - 8) x scale); NVFP4 scales e4m3 [KP/128, N, 8] x the global scale.
-The scratch is one buffer per device, grown outside CUDA-graph capture and never freed (graphs captured earlier
-point at it). While a graph is captured with too small a scratch, `dequant_linear` returns None (the caller runs
-another kernel). Launches on one stream serialize, so one scratch serves every layer.
+The scratch is one buffer per device and dtype (lowbit.kernels.scratch: grown outside CUDA-graph capture, never
+freed), shared by every layer. While a graph is captured with too small a scratch, `dequant_linear` returns None
+(the caller runs another kernel).
 """
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels._triton import cdiv, kernel, next_pow2, tl, wait_for_producers
+from lowbit.kernels import scratch
+from lowbit.kernels._triton import cdiv, kernel, tl, wait_for_producers
 
 BLOCK_N, BLOCK_K = 32, 256  # one program's tile of the weight; BLOCK_K a multiple of 128 (an NVFP4 scale tile)
-_SCRATCH: dict = {}  # device -> {"buf": 16-bit tensor, "retired": [...]} (retired: graphs may still point at them)
-
-
-def _scratch(device, numel: int, dtype) -> torch.Tensor | None:
-    s = _SCRATCH.get((device, dtype))
-    if s is not None and s["buf"].numel() >= numel:
-        return s["buf"]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None  # memory taken now would belong to the graph's pool
-    if s is None:
-        s = _SCRATCH[(device, dtype)] = {"buf": None, "retired": []}
-    else:
-        s["retired"].append(s["buf"])
-    s["buf"] = torch.empty(next_pow2(numel), dtype=dtype, device=device)
-    return s["buf"]
 
 
 def dequantize_into(w, out: torch.Tensor) -> torch.Tensor:
@@ -47,7 +33,7 @@ def dequant_linear(x: torch.Tensor, w, bias=None) -> torch.Tensor | None:
     """x [M, K] bf16/fp16 -> [M, N] = (x * smooth) @ dequant(w)^T (+ bias) in x's dtype, or None while a CUDA graph
     is captured and the scratch is too small."""
     N, K = w.out_features, w.in_features
-    buf = _scratch(x.device, N * K, x.dtype)
+    buf = scratch.grown("w4 dequantized weight", x.device, x.dtype, N * K)
     if buf is None:
         return None
     wd = dequantize_into(w, buf[: N * K].view(N, K))

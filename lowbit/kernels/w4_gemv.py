@@ -148,10 +148,10 @@ def _int4_offset(x):
 
 
 @helper
-def _fp4_pair(wd, s: tl.constexpr, USE_ASM: tl.constexpr):
-    """Nibbles s and s + 4 (e2m1 codes) of each word -> two fp32 tensors = value * 2^-14: the code's (e1 e0 m) go
-    to bits 9..11 and its sign to bit 15 of an fp16 (e = 0 gives the subnormals 0 and 2^-15 exactly), both halves
-    built by one mask and one merge."""
+def fp4_pair_bits(wd, s: tl.constexpr):
+    """Nibbles s and s + 4 (e2m1 codes) of each uint32 word -> one uint32 holding two fp16 = value * 2^-14 (s in the
+    low half): the code's (e1 e0 m) go to bits 9..11 and its sign to bit 15 (e = 0 gives the subnormals 0 and
+    2^-15 exactly), both halves built by one mask and one merge."""
     if 9 - 4 * s >= 0:
         mag = (wd << (9 - 4 * s)) & 0x0E000E00
     else:
@@ -160,7 +160,13 @@ def _fp4_pair(wd, s: tl.constexpr, USE_ASM: tl.constexpr):
         sgn = wd << (12 - 4 * s)
     else:
         sgn = wd
-    t = (sgn & 0x80008000) | mag
+    return (sgn & 0x80008000) | mag
+
+
+@helper
+def _fp4_pair(wd, s: tl.constexpr, USE_ASM: tl.constexpr):
+    """Nibbles s and s + 4 (e2m1 codes) of each word -> two fp32 tensors = value * 2^-14 (fp4_pair_bits)."""
+    t = fp4_pair_bits(wd, s)
     if USE_ASM:  # cvt.f32.f16 straight from the two halves (in Triton, ptxas packs halves of two rows first: +1 PRMT)
         lo, hi = tl.inline_asm_elementwise(
             "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",

@@ -27,7 +27,7 @@ Under the interpreter (no PTX) the dequantization and the warp-wide mma are emul
 import torch
 
 from lowbit.kernels._triton import cdiv, helper, interpreting, kernel, tl, use_triton, wait_for_producers
-from lowbit.kernels.w4_gemv import smoothed
+from lowbit.kernels.w4_gemv import fp4_pair_bits, smoothed
 
 MAX_M = 16  # two tiles of the mma's N = 8 (rows 9-16 take a second mma per A fragment)
 MMA_CONFIG = (16, 2048, 4)  # (BLOCK_N, BLOCK_K, num_warps): U = BLOCK_K / (128 num_warps) blocks per warp and step
@@ -133,14 +133,9 @@ def _dequant(wd, magic, BF16: tl.constexpr, EMULATE: tl.constexpr):
 
 @helper
 def _fp4_dequant(wd, p: tl.constexpr, scale2, EMULATE: tl.constexpr):
-    """uint32 word -> pair p = (nibble p, nibble p + 4) as f16x2, each the e2m1 value x 2^-14 x the block scale
-    (exact in fp16): the code's (e1 e0 m) go to bits 9..11 and its sign to bit 15 of each half (e = 0 gives the
-    subnormals 0 and 2^-15), then one HMUL2 by scale2 (the block scale in both halves)."""
-    if 9 - 4 * p >= 0:
-        mag = (wd << (9 - 4 * p)) & 0x0E000E00
-    else:
-        mag = (wd >> (4 * p - 9)) & 0x0E000E00
-    t = ((wd << (12 - 4 * p)) & 0x80008000) | mag
+    """uint32 word -> pair p = (nibble p, nibble p + 4) as f16x2, each the e2m1 value x 2^-14 (fp4_pair_bits) x the
+    block scale (exact in fp16): one HMUL2 by scale2 (the block scale in both halves)."""
+    t = fp4_pair_bits(wd, p)
     if EMULATE:
         lo, hi = _unpair(t, False)
         s, _ = _unpair(scale2, False)
