@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without pip install -e
 
-from lowbit.bench_cli import load_script  # noqa: E402
+from lowbit.bench_cli import int_list, load_script  # noqa: E402
 from lowbit.kernels import w4_dequant, w4a16  # noqa: E402
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
@@ -95,7 +95,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    ms = [int(v) for v in args.m.split(",")]
+    ms = int_list(ap, "--m", args.m)
+    if not torch.cuda.is_available():
+        print("error: needs a CUDA GPU", file=sys.stderr)
+        return 2
     lines = []
 
     def emit(d):
