@@ -15,7 +15,7 @@
 #   bash bench/h200_session.sh m2       # the W4 GEMV on two x rows vs w4_small_m / tensor cores; batch-2 decode steps
 #   bash bench/h200_session.sh itl      # batch-1 ITL of every format (bench/batch1_itl.py)
 #   bash bench/h200_session.sh w4big    # W4 at large M: dequantize + cuBLAS vs the tensor-core kernel; max load A / B
-#   bash bench/h200_session.sh mma      # W4 at M = 1-16 on mma.sync (w4_mma): checks, times, engine check, A / B
+#   bash bench/h200_session.sh mma      # W4 at M = 1-16 on mma.sync (w4_mma): checks, configs, engine check, A / B
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -166,28 +166,25 @@ load_script('serve_bench.py').main(['--formats', 'int4_awq,nvfp4', '--phases', '
     done
     ;;
 mma)
-    part "INT4 / NVFP4 at M = 1-16 on mma.sync (w4_mma) vs today's route and cuBLAS bf16, checked first"
-    timeout 300 python3 bench/w4_mma_bench.py --configs "32,1024,4;16,4096,8" --json "$OUT/w4_mma.json" \
+    part "INT4 / NVFP4 at M = 1-16 on mma.sync (w4_mma) vs the route without it and cuBLAS bf16, checked first"
+    timeout 300 python3 bench/w4_mma_bench.py --configs "16,1024,4;16,1024,2;32,1024,4" --json "$OUT/w4_mma.json" \
         2>&1 | grep -E 'FAIL|^#|^\||failed|^int4|^nvfp4'
-    rows="lowbit.kernels.w4a16.MMA_ROWS=(1,16)"
-    part "engine check, int4_awq and nvfp4, with $rows (short prompts and the batch-2 / 4 decode steps take it)"
-    timeout 100 python3 -c "
-import lowbit.kernels.w4a16 as w; w.MMA_ROWS = (1, 16)
-from lowbit.bench_cli import load_script
-load_script('serve_diag.py').main(['--phases', 'check', '--formats', 'int4_awq,nvfp4'])" 2>&1 | grep '"format"' \
+    part "engine check, int4_awq and nvfp4 (short prompts and the batch-2 / 4 decode steps take w4_mma)"
+    timeout 100 python3 bench/serve_diag.py --phases check --formats int4_awq,nvfp4 2>&1 | grep '"format"' \
         | cut -c1-300
-    for on in 0 1; do
-        part "int4_awq / nvfp4 decode steps at batch 1, 2, 4, 8, 16 (device time per step), w4_mma on = $on"
-        timeout 120 python3 -c "
-import lowbit.kernels.w4a16 as w; w.MMA_ROWS = (1, 16) if $on else (0, 0)
+    for rows in "{}" "w.MMA_ROWS"; do
+        part "int4_awq / nvfp4: decode steps at batch 1-16 (device time per step), then served 64 x 128/128 at batch 8
+   and nvfp4 at batch 16; MMA_ROWS = $rows"
+        timeout 200 python3 -c "
+import lowbit.kernels.w4a16 as w; w.MMA_ROWS = $rows
 from lowbit.bench_cli import load_script
 for f in ('int4_awq', 'nvfp4'):
     load_script('kernel_profile.py').main(['--format', f, '--decode', '1x512,2x512,4x512,8x512,16x512', '--prefill', '',
-                                           '--top', '3'])" 2>&1 | grep -E '^## '
-    done
-    part "batch-1 ITL, int4_awq and nvfp4, w4_mma off / on"
-    for sets in "" "--set $rows"; do
-        timeout 80 python3 bench/batch1_itl.py --formats int4_awq,nvfp4 $sets 2>&1 | grep '"format"'
+                                           '--top', '3'])
+serve = load_script('serve_bench.py')
+serve.main(['--formats', 'int4_awq,nvfp4', '--phases', 'formats', '--max-batch-size', '8', '--num-requests', '64'])
+serve.main(['--formats', 'nvfp4', '--phases', 'formats', '--max-batch-size', '16', '--num-requests', '128'])
+" 2>&1 | grep -E '^## |^\['
     done
     ;;
 itl)

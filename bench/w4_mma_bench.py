@@ -1,13 +1,15 @@
 """INT4 and NVFP4 at 1 <= M <= 16 on mma.sync (lowbit.kernels.w4_mma) on the GPU: checks, then times against the
-route w4a16_gemm takes today (the GEMV at M <= 2, w4_small_m / the tensor-core kernel above) and cuBLAS bf16.
+route w4a16_gemm takes (w4_mma in MMA_ROWS; without it the GEMV at M <= 2, w4_small_m / the tensor-core kernel
+above) and cuBLAS bf16.
 
 `python3 bench/w4_mma_bench.py [--m 1,2,4,8,16] [--configs "BN,BK,W;..."] [--reps N] [--json FILE]` (repo root):
-1. checks w4_mma (MMA_CONFIG and each --configs entry) against w4a16_gemm_ref (fp32 math) on fresh random weights
+1. checks w4_mma (its chosen config and each --configs entry) against w4a16_gemm_ref (fp32 math) on fresh random weights
    (INT4 group 128 and NVFP4): the four Llama-3.1-8B shapes at M = 1, 3, 8 and 16 (bf16), fp16 x, pre_quant_scale
    and bias, K not a multiple of BLOCK_K, N not a multiple of the tile, INT4 groups of 256, and a CUDA graph replayed
    on new x; rel err =
    ||out - ref|| / ||ref||, PASS below TOL; exit 1 if any check fails (timing still runs).
-2. times per shape and M: cuBLAS bf16 (F.linear), w4a16_gemm as routed today (MMA_ROWS off), w4_mma per config.
+2. times per shape and M: cuBLAS bf16 (F.linear), w4a16_gemm as routed (route) and with MMA_ROWS off (no_mma),
+   w4_mma per config (chosen: w4_mma.choose_config).
    Medians of CUDA-graph replays (bench/kernels.py's time_us), weights in enough copies to stream from HBM.
 Prints JSON lines and a markdown table per format and token (the four linears x 32 layers, ms).
 """
@@ -40,9 +42,9 @@ def check(emit, config, case) -> bool:
     ref = w4a16.w4a16_gemm_ref(x, w, b)
     err = max(gemv_bench.rel_err(out[r], ref[r]) for r in range(m))  # the worst x row (each lane stores two)
     ok = bool(torch.isfinite(out).all()) and err < TOL
-    emit({"kind": "check", "config": config or w4_mma.MMA_CONFIG, "fmt": fmt, "K": k, "N": n, "M": m, "group": group,
-          "dtype": str(dtype).removeprefix("torch."), "smooth": smooth, "bias": bias, "rel_err": err, "tol": TOL,
-          "result": "PASS" if ok else "FAIL"})
+    emit({"kind": "check", "config": config or w4_mma.choose_config(m, n), "fmt": fmt, "K": k, "N": n, "M": m,
+          "group": group, "dtype": str(dtype).removeprefix("torch."), "smooth": smooth, "bias": bias, "rel_err": err,
+          "tol": TOL, "result": "PASS" if ok else "FAIL"})
     return ok
 
 
@@ -67,9 +69,18 @@ def run_checks(emit, configs) -> bool:
         out.fill_(float("nan"))
         g.replay()
         errs.append(gemv_bench.rel_err(out, w4a16.w4a16_gemm_ref(x, w)))
-    emit({"kind": "check", "config": w4_mma.MMA_CONFIG, "fmt": "nvfp4", "M": 16, "graph_replays": 2,
+    emit({"kind": "check", "config": w4_mma.choose_config(16, 4096), "fmt": "nvfp4", "M": 16, "graph_replays": 2,
           "rel_err": max(errs), "tol": TOL, "result": "PASS" if max(errs) < TOL else "FAIL"})
     return ok and max(errs) < TOL
+
+
+def without_mma(x, w):
+    """w4a16_gemm as routed with w4_mma switched off."""
+    rows, w4a16.MMA_ROWS = w4a16.MMA_ROWS, {}
+    try:
+        return w4a16.w4a16_gemm(x, w)
+    finally:
+        w4a16.MMA_ROWS = rows
 
 
 def run_timing(emit, ms, configs, reps) -> list:
@@ -83,10 +94,11 @@ def run_timing(emit, ms, configs, reps) -> list:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"kind": "time", "fmt": fmt, "shape": name, "M": m,
                    "cublas_bf16": time_us([lambda w=w: F.linear(x, w) for w in wb], reps),
-                   "route": time_us([lambda w=w: w4a16.w4a16_gemm(x, w) for w in ws], reps)}
+                   "route": time_us([lambda w=w: w4a16.w4a16_gemm(x, w) for w in ws], reps),
+                   "no_mma": time_us([lambda w=w: without_mma(x, w) for w in ws], reps)}
             for c in configs:
                 calls = [lambda w=w, c=c: w4_mma.w4_mma(x, w, config=c) for w in ws]
-                row[str(c or w4_mma.MMA_CONFIG)] = time_us(calls, reps)
+                row[str(c or "chosen")] = time_us(calls, reps)
             emit(row)
             rows.append(row)
         del ws, wb
@@ -95,7 +107,7 @@ def run_timing(emit, ms, configs, reps) -> list:
 
 
 def table(rows, ms, configs) -> str:
-    cols = ["cublas_bf16", "route"] + [str(c or w4_mma.MMA_CONFIG) for c in configs]
+    cols = ["cublas_bf16", "route", "no_mma"] + [str(c or "chosen") for c in configs]
     return "\n\n".join(f"{fmt}:\n" + gemv_bench.per_token_table([r for r in rows if r["fmt"] == fmt], ms, cols)
                        for fmt in ("int4", "nvfp4"))
 

@@ -92,7 +92,9 @@ def test_gemv_accumulates_in_fp32(fmt, group, tol):
 
 
 def test_w4a16_gemm_dispatches_decode_to_the_gemv(monkeypatch):
-    """w4a16_gemm runs M <= GEMV_MAX_M (= 2) on the GEMV, M = 3 on the tensor-core kernel."""
+    """w4a16_gemm runs M <= GEMV_MAX_M (= 2) on the GEMV, M = 3 on the tensor-core kernel (w4_mma, whose MMA_ROWS come
+    first, switched off here; tests/test_kernels_w4_mma.py checks that order)."""
+    monkeypatch.setattr(w4a16, "MMA_ROWS", {})
     packed = random_w4_weight("nvfp4", 64, 2048, 16, None, seed=3)
     calls = []
     real = w4_gemv.w4_gemv

@@ -63,10 +63,33 @@ def test_supports():
 
 def test_w4a16_gemm_routes_mma_rows(monkeypatch):
     """With MMA_ROWS covering M, w4a16_gemm runs w4_mma (no other kernel), and still matches the reference."""
-    monkeypatch.setattr(w4a16, "MMA_ROWS", (1, 8))
+    monkeypatch.setattr(w4a16, "MMA_ROWS", {"int4": (1, 8)})
     monkeypatch.setattr(w4a16.w4_gemv, "w4_gemv", None)
     monkeypatch.setattr(w4a16, "tensor_core_gemm", None)
     packed = random_w4_weight("int4", 16, 512, 128, None, seed=2)
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(2)).half()
     out = w4a16.w4a16_gemm(x, packed)
     assert rel_err(out, w4a16.w4a16_gemm_ref(x, packed)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("fmt,group,m,takes_mma", [
+    ("int4", 128, 1, False), ("int4", 128, 2, True), ("int4", 128, 8, True), ("int4", 128, 9, False),
+    ("int4", 64, 4, False), ("nvfp4", 16, 1, False), ("nvfp4", 16, 2, True), ("nvfp4", 16, 16, True),
+])
+def test_default_mma_rows(monkeypatch, fmt, group, m, takes_mma):
+    """The default MMA_ROWS: INT4 (groups of 128 or more) at M = 2-8, NVFP4 at 2-16; M = 1 stays on the GEMV."""
+    calls = []
+    ref = w4a16.w4a16_gemm_ref
+    monkeypatch.setattr(w4_mma, "w4_mma", lambda x, w, bias=None: calls.append(x.shape[0]) or ref(x, w, bias))
+    packed = random_w4_weight(fmt, 16, 256, group, None, seed=3)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(3)).half()  # interpreted bf16 tl.dot: garbage
+    out = w4a16.w4a16_gemm(x, packed)
+    assert calls == ([m] if takes_mma else [])
+    assert rel_err(out, w4a16.w4a16_gemm_ref(x, packed)) < TOL[torch.float16]
+
+
+def test_choose_config():
+    """Rows 9-16 of wide layers take WIDE_CONFIG; everything else MMA_CONFIG."""
+    assert w4_mma.choose_config(16, 28672) == w4_mma.WIDE_CONFIG
+    assert w4_mma.choose_config(8, 28672) == w4_mma.MMA_CONFIG
+    assert w4_mma.choose_config(16, 6144) == w4_mma.MMA_CONFIG

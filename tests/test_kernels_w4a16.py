@@ -94,7 +94,8 @@ def test_x_planes_order():
 
 
 def test_small_m_dispatch(monkeypatch):
-    """w4a16_gemm hands 2 <= M <= 16 of large INT4 layers to w4_small_m (where the H200 measured it faster)."""
+    """w4a16_gemm hands 2 <= M <= 16 of large INT4 layers that w4_mma does not take to w4_small_m (where the H200
+    measured it faster)."""
     assert w4_small_m.takes(2, 28672, 4096, "int4") and w4_small_m.takes(16, 4096, 14336, "int4")
     assert not w4_small_m.takes(1, 28672, 4096, "int4") and not w4_small_m.takes(17, 28672, 4096, "int4")
     assert not w4_small_m.takes(16, 6144, 4096, "int4")  # qkv-sized: the tensor-core kernel was as fast
@@ -104,7 +105,7 @@ def test_small_m_dispatch(monkeypatch):
     monkeypatch.setattr(w4_small_m, "w4_small_m", lambda x, w, bias=None: calls.append(w.fmt) or "small_m")
     for fmt, group in (("int4", 128), ("nvfp4", 16)):
         _, packed = _packed(fmt, 48, 256, group)
-        for m in (1, 4, 17):
+        for m in (1, 12, 17):  # M = 2-8 of INT4 runs w4_mma first (w4a16.MMA_ROWS)
             out = w4a16.w4a16_gemm(torch.randn(m, 256).half(), packed)
-            assert (out == "small_m") == (fmt == "int4" and m == 4)
+            assert (out == "small_m") == (fmt == "int4" and m == 12)
     assert calls == ["int4"]

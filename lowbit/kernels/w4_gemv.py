@@ -32,7 +32,7 @@ import torch
 from lowbit.kernels._triton import (cdiv, early_kernel, helper, interpreting, load_streamed, tl, use_triton,
                                     wait_for_producers)
 
-GEMV_MAX_M = 2  # w4a16_gemm dispatches M <= this to the GEMV. At M = 2, per token of Llama-3.1-8B (H200, run 41):
+GEMV_MAX_M = 2  # w4a16_gemm dispatches M <= this to the GEMV (after w4a16.MMA_ROWS). M = 2, per token (H200, run 41):
 # INT4 2.26 ms against w4_small_m's 2.88, NVFP4 2.51 against the tensor-core kernel's 4.28
 # (BLOCK_N, BLOCK_K, num_warps) per format at M = 1 (INT4 128 registers, NVFP4 64; BLOCK_K 2048 divides every KP of
 # Llama-3.1-8B: no masked step). 8 rows: best of the H200 sweep for both formats (run 16); NVFP4 takes 4 since the

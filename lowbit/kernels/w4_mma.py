@@ -31,6 +31,13 @@ from lowbit.kernels.w4_gemv import fp4_pair_bits, smoothed
 
 MAX_M = 16  # two tiles of the mma's N = 8 (rows 9-16 take a second mma per A fragment)
 MMA_CONFIG = (16, 2048, 4)  # (BLOCK_N, BLOCK_K, num_warps): U = BLOCK_K / (128 num_warps) blocks per warp and step
+# Rows 9-16 of wide layers (N >= WIDE_N): H200, NVFP4 M = 16, 4096 -> 28672: 51.4 us against MMA_CONFIG's 62.0; the
+# narrower Llama-3.1-8B layers are 3-15 % faster on MMA_CONFIG (bench/w4_mma_bench.py, benchmarks.md run 46)
+WIDE_CONFIG, WIDE_N = (32, 1024, 4), 16384
+
+
+def choose_config(M: int, N: int) -> tuple:
+    return WIDE_CONFIG if M > 8 and N >= WIDE_N else MMA_CONFIG
 
 
 def supports(M: int, w) -> bool:
@@ -43,10 +50,10 @@ def w4_mma(x, w, bias=None, config=None):
     assert use_triton(x)
     M, K = x.shape
     assert supports(M, w) and x.dtype in (torch.bfloat16, torch.float16), (M, w.fmt, w.group, x.dtype)
-    block_n, block_k, warps = config or MMA_CONFIG
+    N, KP = w.out_features, w.qweight.shape[1] * 8
+    block_n, block_k, warps = config or choose_config(M, N)
     assert block_n % 16 == 0 and block_k % (128 * warps) == 0, (block_n, block_k, warps)
     x = x.contiguous()
-    N, KP = w.out_features, w.qweight.shape[1] * 8
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     fp4 = w.fmt == "nvfp4"
     bf16 = x.dtype == torch.bfloat16 and not fp4  # NVFP4 runs f16 mmas (x rounded to fp16, as w4a16)

@@ -27,9 +27,12 @@ NUM_SMS = 132  # H200; only steers the split-K heuristic
 # tensor-core kernel, NVFP4 10.2 vs 13.1; at M = 64 the kernel wins (INT4 4.9 vs 9.4 ms). Served at batch 192, 128
 # rather than 256: int4_awq 10,135 -> 10,938 output tok/s, nvfp4 8,156 -> 10,581
 DEQUANT_MIN_M = 128
-# (lowest, highest) M that w4a16_gemm runs on w4_mma (NVFP4, INT4 groups of 128 or more; 16-bit x) ahead of the
-# other kernels; (0, 0): off, until it is timed on the H200 (bench/w4_mma_bench.py)
-MMA_ROWS = (0, 0)
+# Per format, the (lowest, highest) M that w4a16_gemm runs on w4_mma (NVFP4, INT4 groups of 128 or more; 16-bit x)
+# ahead of the other kernels. H200, per token of Llama-3.1-8B's linears (bench/w4_mma_bench.py, benchmarks.md run 46):
+# INT4 at M = 2 / 4 / 8 2.11 / 2.19 / 2.47 ms against 2.32 / 2.97 / 3.00 routed otherwise, but 3.48 against 3.08 at
+# M = 16 and 2.07 against the GEMV's 1.56 at M = 1; NVFP4 2.51 / 2.57 / 2.66 / 3.82 at M = 2 / 4 / 8 / 16 against
+# 2.59 / 4.33 / 4.35 / 4.36, and 2.49 against 1.90 at M = 1
+MMA_ROWS = {"int4": (2, 8), "nvfp4": (2, 16)}
 
 
 @dataclass
@@ -268,12 +271,13 @@ def choose_config(M: int, N: int, KP: int, fmt: str = "int4"):
 def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
     """x [M, K] bf16/fp16 -> [M, N] in x's dtype. Decode (M <= w4_gemv.GEMV_MAX_M) runs the CUDA-core GEMV, small
     batches of large INT4 layers w4_small_m (w4_small_m.takes), M >= DEQUANT_MIN_M the dequantized weight through
-    cuBLAS (w4_dequant), the rest (or an explicit tensor-core `config`) the tensor-core kernel below. M in MMA_ROWS
-    runs w4_mma first (where w4_mma.supports the weights)."""
+    cuBLAS (w4_dequant), the rest (or an explicit tensor-core `config`) the tensor-core kernel below. M in
+    MMA_ROWS[w.fmt] runs w4_mma first (where w4_mma.supports the weights)."""
     if not use_triton(x):
         return w4a16_gemm_ref(x, w, bias)
     M = x.shape[0]
-    if config is None and MMA_ROWS[0] <= M <= MMA_ROWS[1] and w4_mma.supports(M, w) and \
+    lowest, highest = MMA_ROWS.get(w.fmt, (0, 0))
+    if config is None and lowest <= M <= highest and w4_mma.supports(M, w) and \
             x.dtype in (torch.bfloat16, torch.float16):
         return w4_mma.w4_mma(x, w, bias)
     if config is None and x.shape[0] <= w4_gemv.GEMV_MAX_M:
