@@ -140,7 +140,8 @@ def main(argv=None) -> int:
 
     ok = run_checks(emit, configs)
     rows = run_timing(emit, ms, configs, args.reps)
-    print("### INT4 g128 and NVFP4, ms per token (four linears x 32 layers); route = w4a16_gemm today")
+    print("### INT4 g128 and NVFP4, ms per token (four linears x 32 layers); "
+          "route = w4a16_gemm, no_mma = without w4_mma")
     print(table(rows, ms, configs))
     print(f"checks failed: {sum(d.get('result') == 'FAIL' for d in lines)}")
     if args.json:

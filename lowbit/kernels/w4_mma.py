@@ -37,6 +37,7 @@ WIDE_CONFIG, WIDE_N = (32, 1024, 4), 16384
 
 
 def choose_config(M: int, N: int) -> tuple:
+    """(BLOCK_N, BLOCK_K, num_warps) for M x rows and N weight rows when the caller gives no config."""
     return WIDE_CONFIG if M > 8 and N >= WIDE_N else MMA_CONFIG
 
 
