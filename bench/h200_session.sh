@@ -16,6 +16,8 @@
 #   bash bench/h200_session.sh itl      # batch-1 ITL of every format (bench/batch1_itl.py)
 #   bash bench/h200_session.sh w4big    # W4 at large M: dequantize + cuBLAS vs the tensor-core kernel; max load A / B
 #   bash bench/h200_session.sh mma      # W4 at M = 1-16 on mma.sync (w4_mma): checks, configs, engine check, A / B
+#   bash bench/h200_session.sh mid      # W4 at M = 16-512: checks, route vs dequant vs bf16, sweeps, engine check
+#   bash bench/h200_session.sh midserve # int4_awq / nvfp4 served at batch 32 and 64: this tree vs HEAD~N (REF)
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -159,7 +161,7 @@ w4big)
     for min_m in 1000000000 128; do
         part "int4_awq / nvfp4 at maximum load (1024 x 128/128, batch 512), w4a16.DEQUANT_MIN_M = $min_m"
         timeout 120 python3 -c "
-import lowbit.kernels.w4a16 as w; w.DEQUANT_MIN_M = $min_m
+import lowbit.kernels.w4a16 as w; w.DEQUANT_MIN_M = {"int4": $min_m, "nvfp4": $min_m}
 from lowbit.bench_cli import load_script
 load_script('serve_bench.py').main(['--formats', 'int4_awq,nvfp4', '--phases', 'formats', '--max-batch-size', '512'])
 " 2>&1 | grep -E '^\[' | sed 's/"graph_sizes[^]]*], //'
@@ -187,12 +189,38 @@ serve.main(['--formats', 'nvfp4', '--phases', 'formats', '--max-batch-size', '16
 " 2>&1 | grep -E '^## |^\['
     done
     ;;
+mid)
+    part "W4 at M = 16-512: the tensor-core kernel as routed vs dequant + cuBLAS vs cuBLAS bf16, checked first"
+    timeout 330 python3 bench/w4_mid_m_bench.py --m 16,24,48,96,128,192,256,384,512 --sweep 48,192 \
+        --json "$OUT/w4_mid_m.json" 2>&1 | grep -E 'FAIL|^#|^\||failed|^best'
+    part "INT4 / NVFP4 at M = 1-16: w4_mma vs the route without it (which now includes the new tensor-core kernel)"
+    timeout 150 python3 bench/w4_mma_bench.py --json "$OUT/w4_mma.json" 2>&1 | grep -E 'FAIL|^#|^\||failed'
+    part "engine check, int4_awq and nvfp4 (prompts of 16-700 tokens take the tensor-core kernel or the dequant path)"
+    timeout 100 python3 bench/serve_diag.py --phases check --formats int4_awq,nvfp4 2>&1 | grep '"format"' \
+        | cut -c1-300
+    ;;
+midserve)
+    ref=${REF:-HEAD}
+    rm -rf /tmp/ref && mkdir -p /tmp/ref && git archive "$ref" | tar -x -C /tmp/ref
+    for tree in /tmp/ref "$PWD"; do
+        part "$tree: int4_awq / nvfp4 decode steps at batch 32 / 64 (device time), served 256 x 128/128 at batch 32
+   and 64"
+        (cd "$tree" && timeout 270 python3 -c "
+from lowbit.bench_cli import load_script
+for f in ('int4_awq', 'nvfp4'):
+    load_script('kernel_profile.py').main(['--format', f, '--decode', '32x512,64x512', '--prefill', '', '--top', '3'])
+serve = load_script('serve_bench.py')
+for b in ('32', '64'):
+    serve.main(['--formats', 'int4_awq,nvfp4', '--phases', 'formats', '--max-batch-size', b, '--num-requests', '256'])
+" 2>&1 | grep -E '^## |^\[')
+    done
+    ;;
 itl)
     part "batch-1 ITL of every format (ISL 128, OSL 256, three requests each)"
     timeout 300 python3 bench/batch1_itl.py --formats bf16,int4_awq,nvfp4,fp8 2>&1 | grep '"format"'
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl|w4big|mma" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl|w4big|mma|mid|midserve" >&2
     exit 2
     ;;
 esac

@@ -38,7 +38,7 @@ def test_dequantized_weight_matches_reference(fmt, k, n, group):
 
 @pytest.mark.parametrize("fmt,smooth,bias", [("int4", True, True), ("nvfp4", False, True), ("int4", False, False)])
 def test_large_m_gemm_matches_reference(fmt, smooth, bias, monkeypatch):
-    m, k, n = w4a16.DEQUANT_MIN_M, 384, 24
+    m, k, n = w4a16.DEQUANT_MIN_M[fmt], 384, 24
     g = torch.Generator().manual_seed(7)
     sm = (0.5 + torch.rand(k, generator=g)).half() if smooth else None
     packed = random_w4_weight(fmt, n, k, 128, sm, seed=3)

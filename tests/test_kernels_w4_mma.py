@@ -74,10 +74,12 @@ def test_w4a16_gemm_routes_mma_rows(monkeypatch):
 
 @pytest.mark.parametrize("fmt,group,m,takes_mma", [
     ("int4", 128, 1, False), ("int4", 128, 2, True), ("int4", 128, 8, True), ("int4", 128, 9, False),
-    ("int4", 64, 4, False), ("nvfp4", 16, 1, False), ("nvfp4", 16, 2, True), ("nvfp4", 16, 16, True),
+    ("int4", 64, 4, False), ("nvfp4", 16, 1, False), ("nvfp4", 16, 2, True), ("nvfp4", 16, 8, True),
+    ("nvfp4", 16, 9, False), ("nvfp4", 16, 16, False),
 ])
 def test_default_mma_rows(monkeypatch, fmt, group, m, takes_mma):
-    """The default MMA_ROWS: INT4 (groups of 128 or more) at M = 2-8, NVFP4 at 2-16; M = 1 stays on the GEMV."""
+    """The default MMA_ROWS: INT4 (groups of 128 or more) and NVFP4 at M = 2-8; M = 1 stays on the GEMV, 9-16 go to
+    the tensor-core kernel (or w4_small_m)."""
     calls = []
     ref = w4a16.w4a16_gemm_ref
     monkeypatch.setattr(w4_mma, "w4_mma", lambda x, w, bias=None: calls.append(x.shape[0]) or ref(x, w, bias))

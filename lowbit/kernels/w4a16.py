@@ -18,21 +18,22 @@ import torch.nn.functional as F
 
 from lowbit.checkpoint.formats import NVFP4_BLOCK, nvfp4_dequantize, unpack_e2m1, unpack_int4_rows
 from lowbit.kernels import split_k, w4_dequant, w4_gemv, w4_mma, w4_small_m
-from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton, wait_for_producers
+from lowbit.kernels._triton import cdiv, helper, interpreting, kernel, next_pow2, tl, use_triton, wait_for_producers
 
 PACK_K = 128
 NUM_SMS = 132  # H200; only steers the split-K heuristic
-# From this M on, w4a16_gemm dequantizes into a 16-bit scratch and runs cuBLAS (w4_dequant). H200, per token-row of
-# Llama-3.1-8B's linears (bench/w4_large_m_bench.py, benchmarks.md run 45): at M = 128 INT4 9.8 vs 11.0 ms for the
-# tensor-core kernel, NVFP4 10.2 vs 13.1; at M = 64 the kernel wins (INT4 4.9 vs 9.4 ms). Served at batch 192, 128
-# rather than 256: int4_awq 10,135 -> 10,938 output tok/s, nvfp4 8,156 -> 10,581
-DEQUANT_MIN_M = 128
+# Per format, from this M on w4a16_gemm dequantizes into a 16-bit scratch and runs cuBLAS (w4_dequant). H200, per
+# token of Llama-3.1-8B's linears, the tensor-core kernel against the dequant path (bench/w4_mid_m_bench.py,
+# benchmarks.md run 47 call 2): INT4 9.23 vs 10.83 ms at M = 256, 14.90 vs 12.83 at 384 (three 128-row tiles);
+# NVFP4 7.50 vs 10.22 at 128, 14.09 vs 10.84 at 192 (two tiles)
+DEQUANT_MIN_M = {"int4": 257, "nvfp4": 129}
 # Per format, the (lowest, highest) M that w4a16_gemm runs on w4_mma (NVFP4, INT4 groups of 128 or more; 16-bit x)
 # ahead of the other kernels. H200, per token of Llama-3.1-8B's linears (bench/w4_mma_bench.py, benchmarks.md run 46):
 # INT4 at M = 2 / 4 / 8 2.11 / 2.19 / 2.47 ms against 2.32 / 2.97 / 3.00 routed otherwise, but 3.48 against 3.08 at
-# M = 16 and 2.07 against the GEMV's 1.56 at M = 1; NVFP4 2.51 / 2.57 / 2.66 / 3.82 at M = 2 / 4 / 8 / 16 against
-# 2.59 / 4.33 / 4.35 / 4.36, and 2.49 against 1.90 at M = 1
-MMA_ROWS = {"int4": (2, 8), "nvfp4": (2, 16)}
+# M = 16 and 2.07 against the GEMV's 1.56 at M = 1; NVFP4 2.51 / 2.57 / 2.66 at M = 2 / 4 / 8 against 2.59 / 4.33 /
+# 4.35, and 2.49 against 1.90 at M = 1. At M = 16 NVFP4 was 3.82 against 4.36 there, but the tensor-core kernel's
+# byte dequantization (run 47 call 2) now takes 3.22 against w4_mma's 3.61
+MMA_ROWS = {"int4": (2, 8), "nvfp4": (2, 8)}
 
 
 @dataclass
@@ -126,32 +127,65 @@ def w4a16_gemm_ref(x, w: W4Weight, bias=None):
 
 # ---- kernel
 @helper
-def _tile_scales(s_ptr, t, n_rows, s8, N, IS_FP4: tl.constexpr, GROUP: tl.constexpr):
-    """Scales of K tile t for rows n_rows: [BN, 16] (per word, one per 16-wide block) or, INT4 groups >= 128, [BN]."""
-    if IS_FP4:
-        sc = tl.load(s_ptr + (t * N + n_rows[:, None]) * 8 + s8[None, :]).to(tl.float16)
-        sc = tl.reshape(tl.join(sc, sc), (sc.shape[0], 16))
-    elif GROUP % 128 == 0:
-        sc = tl.load(s_ptr + (t * 128 // GROUP) * N + n_rows)
-    else:
-        sc = tl.load(s_ptr + ((t * 128 + 16 * s8[None, :]) // GROUP) * N + n_rows[:, None])
-        sc = tl.reshape(tl.join(sc, sc), (sc.shape[0], 16))
-    return sc
-
-
-@helper
-def _nibbles(words):
-    """int32 [BN, 16] -> nibbles [BN, 16, 2, 2, 2], element (j, a, b, c) = k 8*j + 4*a + 2*b + c of the tile."""
-    halves = tl.join(words & 0xFFFF, (words >> 16) & 0xFFFF)
-    bytes_ = tl.join(halves & 0xFF, halves >> 8)
-    return tl.join(bytes_ & 0xF, bytes_ >> 4)
+def _byte_nibbles(wb, sc, IS_FP4: tl.constexpr, BF16: tl.constexpr, EMULATE: tl.constexpr):
+    """uint8 [BN, 64] (a 128-k tile's words as bytes: byte b of word j holds k 8j + 2b low, 8j + 2b + 1 high) ->
+    (low, high) nibbles dequantized, [BN, 64] each in the dot's type (bf16 when BF16, else fp16), so that
+    reshape(join(low, high), (BN, 128)) is the tile in natural k order. INT4: q = u - 8 (sc unused); NVFP4: the e2m1
+    value x 2^-14 times sc, the fp16 block scales [BN, 64] (exact in fp16).
+    On the GPU four bytes per inline-asm instance (whichever four the layout gives a thread; every step is per byte):
+    PRMT puts bytes 0, 1 (2, 3) in the two 16-bit halves, so one mask (and a shift for the high nibbles) builds the
+    pair; sc's elements 0, 1 are register $5, 2, 3 $6."""
+    if EMULATE:
+        lo, hi = (wb & 0xF).to(tl.int32), (wb >> 4).to(tl.int32)
+        if IS_FP4:
+            lo = (((lo & 7) << 9) | ((lo & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True) * sc
+            hi = (((hi & 7) << 9) | ((hi & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True) * sc
+        else:
+            dt = tl.bfloat16 if BF16 else tl.float16
+            lo, hi = (lo - 8).to(tl.float32).to(dt), (hi - 8).to(tl.float32).to(dt)
+    elif IS_FP4:
+        lo, hi = tl.inline_asm_elementwise(
+            """{ .reg .b32 z, l, h, v, m;
+            mov.b32 z, 0; prmt.b32 l, $4, z, 0x4140; prmt.b32 h, $4, z, 0x4342;
+            shl.b32 v, l, 9; and.b32 m, v, 0x0e000e00; shl.b32 v, l, 12; lop3.b32 m, v, 0x80008000, m, 0xea;
+            mul.rn.f16x2 $0, m, $5;
+            shl.b32 v, h, 9; and.b32 m, v, 0x0e000e00; shl.b32 v, h, 12; lop3.b32 m, v, 0x80008000, m, 0xea;
+            mul.rn.f16x2 $1, m, $6;
+            shl.b32 v, l, 5; and.b32 m, v, 0x0e000e00; shl.b32 v, l, 8; lop3.b32 m, v, 0x80008000, m, 0xea;
+            mul.rn.f16x2 $2, m, $5;
+            shl.b32 v, h, 5; and.b32 m, v, 0x0e000e00; shl.b32 v, h, 8; lop3.b32 m, v, 0x80008000, m, 0xea;
+            mul.rn.f16x2 $3, m, $6; }""",
+            "=r,=r,=r,=r,r,r,r", [wb, sc], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    elif BF16:  # (128 + u) from the magic 0x4300, then - 136 (exact)
+        lo, hi = tl.inline_asm_elementwise(
+            """{ .reg .b32 z, l, h, t, one, off, mg;
+            mov.b32 z, 0; mov.b32 one, 0x3f803f80; mov.b32 off, 0xc308c308; mov.b32 mg, 0x43004300;
+            prmt.b32 l, $4, z, 0x4140; prmt.b32 h, $4, z, 0x4342;
+            lop3.b32 t, l, 0x000f000f, mg, 0xea; fma.rn.bf16x2 $0, t, one, off;
+            lop3.b32 t, h, 0x000f000f, mg, 0xea; fma.rn.bf16x2 $1, t, one, off;
+            shr.u32 l, l, 4; shr.u32 h, h, 4;
+            lop3.b32 t, l, 0x000f000f, mg, 0xea; fma.rn.bf16x2 $2, t, one, off;
+            lop3.b32 t, h, 0x000f000f, mg, 0xea; fma.rn.bf16x2 $3, t, one, off; }""",
+            "=r,=r,=r,=r,r", [wb], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:  # fp16: magic 0x6400 (1024 + u), - 1032
+        lo, hi = tl.inline_asm_elementwise(
+            """{ .reg .b32 z, l, h, t, one, off, mg;
+            mov.b32 z, 0; mov.b32 one, 0x3c003c00; mov.b32 off, 0xe408e408; mov.b32 mg, 0x64006400;
+            prmt.b32 l, $4, z, 0x4140; prmt.b32 h, $4, z, 0x4342;
+            lop3.b32 t, l, 0x000f000f, mg, 0xea; fma.rn.f16x2 $0, t, one, off;
+            lop3.b32 t, h, 0x000f000f, mg, 0xea; fma.rn.f16x2 $1, t, one, off;
+            shr.u32 l, l, 4; shr.u32 h, h, 4;
+            lop3.b32 t, l, 0x000f000f, mg, 0xea; fma.rn.f16x2 $2, t, one, off;
+            lop3.b32 t, h, 0x000f000f, mg, 0xea; fma.rn.f16x2 $3, t, one, off; }""",
+            "=r,=r,=r,=r,r", [wb], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return lo, hi
 
 
 @kernel
 def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K, w_stride, n_tiles, tiles_per_split,
                     global_scale, IS_FP4: tl.constexpr, X_BF16: tl.constexpr, GROUP: tl.constexpr,
                     HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PDL: tl.constexpr):
+                    EMULATE: tl.constexpr, PDL: tl.constexpr):
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -162,15 +196,15 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K,
     kk = tl.arange(0, 128)
     n_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: weight loads need no mask, stores are masked
     m_ok = offs_m < M
-    w_ptrs = w_ptr + n_rows[:, None] * w_stride + tl.arange(0, 16)[None, :]
+    # a tile's 16 words per row as 64 bytes: the dot's layout gives each thread bytes of its own k pairs, which
+    # Triton then loads from shared memory straight into registers (no dequantized tile in shared memory)
+    wb_ptrs = w_ptr.to(tl.pointer_type(tl.uint8)) + n_rows[:, None] * (4 * w_stride) + tl.arange(0, 64)[None, :]
+    dt: tl.constexpr = tl.bfloat16 if X_BF16 and not IS_FP4 else tl.float16  # NVFP4: fp16 (exact block scales)
+    row_scale: tl.constexpr = not IS_FP4 and GROUP % 128 == 0  # one scale per row and tile
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
-    sc_next = _tile_scales(s_ptr, t_begin, n_rows, s8, N, IS_FP4, GROUP)
     for t in range(t_begin, t_end):
-        sc = sc_next
-        sc_next = _tile_scales(s_ptr, tl.minimum(t + 1, t_end - 1), n_rows, s8, N, IS_FP4, GROUP)  # prefetch
-        nib = _nibbles(tl.load(w_ptrs + t * 16))  # [BLOCK_N, 16, 2, 2, 2]
         k = t * 128 + kk
         # [128, BLOCK_M]; rows past M masked, not clamped: a clamped row is read BLOCK_M - M + 1 times by every
         # program, and those L2 lines become a hot spot at small M
@@ -179,89 +213,106 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K,
         if HAS_SMOOTH:
             sm = tl.load(smooth_ptr + k, mask=k < K, other=0.0).to(xs.dtype).to(tl.float32)
             xs = (xs.to(tl.float32) * sm[:, None]).to(xs.dtype)
-        if IS_FP4:
-            # e2m1 code -> fp16 bits (sign, 2 exponent bits, 1 mantissa bit) = value * 2**-14, exact; times the
-            # e4m3 block scale it is still exact in fp16. global_scale carries the 2**14 back.
-            bits = ((nib & 7) << 9) | ((nib & 8) << 12)
-            w5 = bits.to(tl.int16).to(tl.float16, bitcast=True) * sc[:, :, None, None, None]
-            acc = tl.dot(tl.reshape(w5, (BLOCK_N, 128)), xs.to(tl.float16), acc)
-        else:
-            # nibble u = q + 8 -> (magic | u) as a 16-bit float is magic_value + u, exact; subtract magic + 8
-            if X_BF16:
-                w5 = ((nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 136.0).to(tl.bfloat16)
+        if row_scale:
+            sc = tl.load(s_ptr + (t * 128 // GROUP) * N + n_rows)  # fp32 [BN]: applied to the partial product
+        else:  # NVFP4 e4m3 block scales, or INT4 groups of 16-64: one per 16-wide block; byte i is in block i // 8
+            if IS_FP4:
+                sc = tl.load(s_ptr + (t * N + n_rows[:, None]) * 8 + s8[None, :]).to(dt)
             else:
-                w5 = ((nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1032.0).to(tl.float16)
-            if GROUP % 128 == 0:  # one scale per row and tile: applied to the fp32 partial product, exactly
-                acc += tl.dot(tl.reshape(w5, (BLOCK_N, 128)), xs) * sc[:, None]
-            else:  # one scale per row and 16-wide block: dequantize the weights (rounded to x's dtype)
-                w5 = (w5.to(tl.float32) * sc[:, :, None, None, None]).to(xs.dtype)
-                acc = tl.dot(tl.reshape(w5, (BLOCK_N, 128)), xs, acc)
+                sc = tl.load(s_ptr + ((t * 128 + 16 * s8[None, :]) // GROUP) * N + n_rows[:, None])
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, 8, 8)), (BLOCK_N, 64))
+        lo, hi = _byte_nibbles(tl.load(wb_ptrs + t * 64), sc, IS_FP4, dt == tl.bfloat16, EMULATE)
+        if not IS_FP4 and not row_scale:  # q x scale in fp32, rounded once to x's dtype
+            lo, hi = (lo.to(tl.float32) * sc).to(dt), (hi.to(tl.float32) * sc).to(dt)
+        w5 = tl.reshape(tl.join(lo, hi), (BLOCK_N, 128))  # natural k order
+        if row_scale:
+            acc += tl.dot(w5, xs) * sc[:, None]
+        else:  # global_scale carries NVFP4's 2**14 back
+            acc = tl.dot(w5, xs.to(dt), acc)
     split_k.store_out_t(acc, out_ptr, bias_ptr, pid_k, M, N, offs_m, offs_n, n_rows, global_scale, HAS_BIAS)
 
 
-# (fmt, KP, N, M bucket) -> (BLOCK_M, BLOCK_N, split, num_warps, num_stages): winners of the H200 sweep
-# (`bench/kernels.py --sweep`, 2026-11-30, docs/kernels_notes.md) for the Llama-3.1-8B linear shapes.
+# (fmt, KP, N, M bucket) -> (BLOCK_M, BLOCK_N, split, num_warps, num_stages): winners of H200 sweeps for the
+# Llama-3.1-8B linear shapes. Buckets 1, 16, 4096: `bench/kernels.py --sweep` (2026-11-30, docs/kernels_notes.md), on
+# the kernel's earlier dequantization; 32-256: `bench/w4_mid_m_bench.py` at M = 32 / 64 / 128 / 256 (2026-12-02,
+# benchmarks.md run 47), on today's.
 TUNED = {
     ("int4", 4096, 4096, 1): (16, 64, 8, 4, 3),
     ("int4", 4096, 4096, 16): (16, 64, 8, 4, 3),
+    ("int4", 4096, 4096, 32): (32, 64, 4, 4, 3),
     ("int4", 4096, 4096, 64): (64, 64, 4, 4, 3),
-    ("int4", 4096, 4096, 256): (128, 64, 1, 4, 3),
+    ("int4", 4096, 4096, 128): (128, 64, 4, 4, 3),
+    ("int4", 4096, 4096, 256): (128, 64, 2, 4, 3),
     ("int4", 4096, 4096, 4096): (128, 128, 1, 8, 3),
     ("int4", 4096, 6144, 1): (16, 64, 4, 4, 3),
     ("int4", 4096, 6144, 16): (16, 64, 4, 4, 3),
+    ("int4", 4096, 6144, 32): (32, 64, 4, 4, 3),
     ("int4", 4096, 6144, 64): (64, 64, 4, 4, 3),
-    ("int4", 4096, 6144, 256): (64, 64, 1, 4, 3),
+    ("int4", 4096, 6144, 128): (128, 64, 4, 4, 3),
+    ("int4", 4096, 6144, 256): (128, 64, 2, 4, 3),
     ("int4", 4096, 6144, 4096): (128, 128, 1, 8, 3),
     ("int4", 4096, 28672, 1): (16, 128, 4, 8, 3),
     ("int4", 4096, 28672, 16): (16, 64, 4, 4, 3),
+    ("int4", 4096, 28672, 32): (32, 64, 1, 4, 3),
     ("int4", 4096, 28672, 64): (64, 64, 2, 4, 3),
-    ("int4", 4096, 28672, 256): (64, 64, 1, 4, 3),
+    ("int4", 4096, 28672, 128): (128, 64, 1, 4, 3),
+    ("int4", 4096, 28672, 256): (128, 64, 1, 4, 3),
     ("int4", 4096, 28672, 4096): (128, 128, 1, 8, 3),
     ("int4", 14336, 4096, 1): (16, 64, 8, 4, 3),
     ("int4", 14336, 4096, 16): (16, 64, 8, 4, 3),
+    ("int4", 14336, 4096, 32): (32, 64, 8, 4, 3),
     ("int4", 14336, 4096, 64): (64, 64, 4, 4, 3),
-    ("int4", 14336, 4096, 256): (128, 128, 2, 8, 3),
+    ("int4", 14336, 4096, 128): (128, 64, 4, 4, 3),
+    ("int4", 14336, 4096, 256): (128, 64, 2, 4, 3),
     ("int4", 14336, 4096, 4096): (128, 128, 1, 8, 3),
     ("nvfp4", 4096, 4096, 1): (16, 64, 8, 4, 3),
     ("nvfp4", 4096, 4096, 16): (16, 64, 4, 4, 3),
-    ("nvfp4", 4096, 4096, 64): (64, 64, 4, 4, 3),
-    ("nvfp4", 4096, 4096, 256): (128, 128, 2, 8, 3),
+    ("nvfp4", 4096, 4096, 32): (32, 128, 4, 8, 3),
+    ("nvfp4", 4096, 4096, 64): (64, 128, 4, 8, 3),
+    ("nvfp4", 4096, 4096, 128): (128, 64, 4, 4, 3),
+    ("nvfp4", 4096, 4096, 256): (128, 64, 2, 4, 3),
     ("nvfp4", 4096, 4096, 4096): (128, 128, 1, 8, 3),
     ("nvfp4", 4096, 6144, 1): (16, 64, 8, 4, 3),
     ("nvfp4", 4096, 6144, 16): (16, 64, 4, 4, 3),
+    ("nvfp4", 4096, 6144, 32): (32, 64, 4, 4, 3),
     ("nvfp4", 4096, 6144, 64): (64, 64, 4, 4, 3),
-    ("nvfp4", 4096, 6144, 256): (64, 64, 1, 4, 3),
+    ("nvfp4", 4096, 6144, 128): (128, 64, 4, 4, 3),
+    ("nvfp4", 4096, 6144, 256): (128, 64, 2, 4, 3),
     ("nvfp4", 4096, 6144, 4096): (128, 128, 1, 8, 3),
     ("nvfp4", 4096, 28672, 1): (16, 64, 4, 4, 3),
     ("nvfp4", 4096, 28672, 16): (16, 64, 2, 4, 3),
-    ("nvfp4", 4096, 28672, 64): (64, 128, 1, 8, 3),
+    ("nvfp4", 4096, 28672, 32): (32, 128, 1, 8, 3),
+    ("nvfp4", 4096, 28672, 64): (64, 256, 1, 8, 3),
+    ("nvfp4", 4096, 28672, 128): (128, 128, 1, 8, 3),
     ("nvfp4", 4096, 28672, 256): (128, 128, 2, 8, 3),
     ("nvfp4", 4096, 28672, 4096): (128, 128, 1, 8, 3),
     ("nvfp4", 14336, 4096, 1): (16, 64, 16, 4, 3),
     ("nvfp4", 14336, 4096, 16): (16, 64, 8, 4, 3),
+    ("nvfp4", 14336, 4096, 32): (32, 128, 8, 8, 3),
     ("nvfp4", 14336, 4096, 64): (64, 128, 8, 8, 3),
-    ("nvfp4", 14336, 4096, 256): (128, 128, 2, 8, 3),
+    ("nvfp4", 14336, 4096, 128): (128, 64, 4, 4, 3),
+    ("nvfp4", 14336, 4096, 256): (128, 64, 2, 4, 3),
     ("nvfp4", 14336, 4096, 4096): (128, 128, 1, 8, 3),
 }
+M_BUCKETS = (1, 16, 32, 64, 128, 512)  # TUNED's row ranges: M <= 1, <= 16, ... <= 512 (bucket 256), more (4096)
 
 
 def _m_bucket(M: int) -> int:
-    return 1 if M == 1 else 16 if M <= 16 else 64 if M <= 64 else 256 if M <= 512 else 4096
+    return next((256 if b == 512 else b for b in M_BUCKETS if M <= b), 4096)
 
 
 def choose_config(M: int, N: int, KP: int, fmt: str = "int4"):
-    """(BLOCK_M, BLOCK_N, split, num_warps, num_stages): the sweep's winner for a tuned shape; otherwise decode takes
-    as many K splits (powers of two, >= 4 tiles each) as keep the programs within a budget, prefill 128x128 tiles."""
+    """(BLOCK_M, BLOCK_N, split, num_warps, num_stages): the sweep's winner for a tuned shape; otherwise up to 512
+    rows take as many K splits (powers of two, >= 4 tiles each) as keep the programs within a budget, more rows
+    128x128 tiles."""
     tuned = TUNED.get((fmt, KP, N, _m_bucket(M)))
     if tuned is not None:
         return (max(16, next_pow2(M)) if M <= 16 else tuned[0],) + tuned[1:]
     tiles = KP // PACK_K
     if M > 512:
         return 128, 128, 1, 8, 3
-    if M > 64:
-        return 64, 64, 1, 4, 3
-    block_m, block_n = max(16, next_pow2(M)), 64
-    budget = 2048 // (block_m // 16)
+    block_m, block_n = min(128, max(16, next_pow2(M))), 64
+    budget = 2048 // (block_m // 16) // cdiv(M, block_m)
     split = 1
     while split * 2 * cdiv(N, block_n) <= budget and tiles // (split * 2) >= 4:
         split *= 2
@@ -282,7 +333,7 @@ def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
         return w4_mma.w4_mma(x, w, bias)
     if config is None and x.shape[0] <= w4_gemv.GEMV_MAX_M:
         return w4_gemv.w4_gemv(x, w, bias)
-    if config is None and x.shape[0] >= DEQUANT_MIN_M:
+    if config is None and x.shape[0] >= DEQUANT_MIN_M[w.fmt]:
         y = w4_dequant.dequant_linear(x.contiguous(), w, bias)
         if y is not None:  # None: a graph capture found the scratch too small
             return y
@@ -309,7 +360,8 @@ def tensor_core_gemm(x, w: W4Weight, bias=None, config=None):
         target, M, N, K, KP // 8, tiles, tiles_per_split, w.global_scale * (2.0**14 if w.fmt == "nvfp4" else 1.0),
         IS_FP4=w.fmt == "nvfp4", X_BF16=x.dtype == torch.bfloat16, GROUP=w.group,
         HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None and split == 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, EMULATE=interpreting(),
+        num_warps=warps, num_stages=stages)
     if split > 1:
         split_k.split_sum(target, bias, out)
     return out
