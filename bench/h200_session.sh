@@ -17,7 +17,7 @@
 #   bash bench/h200_session.sh w4big    # W4 at large M: dequantize + cuBLAS vs the tensor-core kernel; max load A / B
 #   bash bench/h200_session.sh mma      # W4 at M = 1-16 on mma.sync (w4_mma): checks, configs, engine check, A / B
 #   bash bench/h200_session.sh mid      # W4 at M = 16-512: checks, route vs dequant vs bf16, sweeps, engine check
-#   bash bench/h200_session.sh midserve # int4_awq / nvfp4 served at batch 32 and 64: this tree vs HEAD~N (REF)
+#   bash bench/h200_session.sh midserve # int4_awq / nvfp4 decode at batch 32 / 64, served at 64: this tree vs REF
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
 set -u
@@ -203,15 +203,13 @@ midserve)
     ref=${REF:-HEAD}
     rm -rf /tmp/ref && mkdir -p /tmp/ref && git archive "$ref" | tar -x -C /tmp/ref
     for tree in /tmp/ref "$PWD"; do
-        part "$tree: int4_awq / nvfp4 decode steps at batch 32 / 64 (device time), served 256 x 128/128 at batch 32
-   and 64"
+        part "$tree: int4_awq / nvfp4 decode steps at batch 32 / 64 (device time), served 256 x 128/128 at batch 64"
         (cd "$tree" && timeout 270 python3 -c "
 from lowbit.bench_cli import load_script
 for f in ('int4_awq', 'nvfp4'):
     load_script('kernel_profile.py').main(['--format', f, '--decode', '32x512,64x512', '--prefill', '', '--top', '3'])
-serve = load_script('serve_bench.py')
-for b in ('32', '64'):
-    serve.main(['--formats', 'int4_awq,nvfp4', '--phases', 'formats', '--max-batch-size', b, '--num-requests', '256'])
+load_script('serve_bench.py').main(['--formats', 'int4_awq,nvfp4', '--phases', 'formats', '--max-batch-size', '64',
+                                    '--num-requests', '256'])
 " 2>&1 | grep -E '^## |^\[')
     done
     ;;
