@@ -17,6 +17,7 @@
 #   bash bench/h200_session.sh w4big    # W4 at large M: dequantize + cuBLAS vs the tensor-core kernel; max load A / B
 #   bash bench/h200_session.sh mma      # W4 at M = 1-16 on mma.sync (w4_mma): checks, configs, engine check, A / B
 #   bash bench/h200_session.sh mid      # W4 at M = 16-512: checks, route vs dequant vs bf16, sweeps, engine check
+#   bash bench/h200_session.sh ncutc    # Nsight Compute of the W4 tensor-core kernel at 32 / 64 rows; lowbit bench kernels
 #   bash bench/h200_session.sh midserve # int4_awq / nvfp4 decode at batch 32 / 64, served at 64: this tree vs REF
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
@@ -199,6 +200,24 @@ mid)
     timeout 100 python3 bench/serve_diag.py --phases check --formats int4_awq,nvfp4 2>&1 | grep '"format"' \
         | cut -c1-300
     ;;
+ncutc)
+    part "Nsight Compute (full set) of the W4 tensor-core kernel on the up projection, INT4 at 32 rows, NVFP4 at 64"
+    for t in "tc_int4_m32 int4 32" "tc_nvfp4_m64 nvfp4 64"; do
+        set -- $t
+        timeout 150 ncu --clock-control none --set full -k "regex:_w4_gemm_kernel" -s 1 -c 1 -f -o "$OUT/$1" \
+            python3 bench/ncu_targets.py w4tc --fmt "$2" --rows "$3" > /dev/null 2>&1
+        ncu --import "$OUT/$1.ncu-rep" --page details > "$OUT/$1.txt" 2>&1
+        ncu --import "$OUT/$1.ncu-rep" --page raw --csv > "$OUT/$1.csv" 2>&1
+        echo "-- $1"
+        grep -E "^ +(Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|No Eligible|Issue Slots Busy) " \
+            "$OUT/$1.txt"
+    done
+    part "lowbit bench kernels: every kernel checked on the GPU, then timed at Llama-3.1-8B shapes"
+    PYTHONPATH=$PWD timeout 330 python3 bench/kernels.py --check --m 1,16,64,256,4096 --reps 10 \
+        --json "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1
+    echo "kernels.py rc=$?"
+    grep -ciE 'FAIL' "$OUT/kernels.txt"
+    ;;
 midserve)
     ref=${REF:-HEAD}
     rm -rf /tmp/ref && mkdir -p /tmp/ref && git archive "$ref" | tar -x -C /tmp/ref
@@ -218,7 +237,7 @@ itl)
     timeout 300 python3 bench/batch1_itl.py --formats bf16,int4_awq,nvfp4,fp8 2>&1 | grep '"format"'
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl|w4big|mma|mid|midserve" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl|w4big|mma|mid|ncutc|midserve" >&2
     exit 2
     ;;
 esac
