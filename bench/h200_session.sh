@@ -18,6 +18,7 @@
 #   bash bench/h200_session.sh mma      # W4 at M = 1-16 on mma.sync (w4_mma): checks, configs, engine check, A / B
 #   bash bench/h200_session.sh mid      # W4 at M = 16-512: checks, route vs dequant vs bf16, sweeps, engine check
 #   bash bench/h200_session.sh ncutc    # Nsight Compute of the W4 tensor-core kernel at 32 / 64 rows; lowbit bench kernels
+#   bash bench/h200_session.sh prefetch # that kernel with its scales loaded a K tile ahead (PREFETCH_SCALES) or not
 #   bash bench/h200_session.sh midserve # int4_awq / nvfp4 decode at batch 32 / 64, served at 64: this tree vs REF
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
@@ -218,6 +219,20 @@ ncutc)
     echo "kernels.py rc=$?"
     grep -ciE 'FAIL' "$OUT/kernels.txt"
     ;;
+prefetch)
+    for pf in False True; do
+        part "W4 at M = 16-128, w4a16.PREFETCH_SCALES = $pf (the next K tile's scales loaded during this one)"
+        timeout 150 python3 -c "
+import sys
+import lowbit.kernels.w4a16 as w; w.PREFETCH_SCALES = $pf
+from lowbit.bench_cli import load_script
+sys.exit(load_script('w4_mid_m_bench.py').main('--m 16,32,64,128 --json $OUT/mid_prefetch_$pf.json'.split()))
+" 2>&1 | grep -E 'FAIL|^#|^\||failed' | tail -14
+    done
+    part "engine check, int4_awq and nvfp4, with the defaults"
+    timeout 100 python3 bench/serve_diag.py --phases check --formats int4_awq,nvfp4 2>&1 | grep '"format"' \
+        | cut -c1-300
+    ;;
 midserve)
     ref=${REF:-HEAD}
     rm -rf /tmp/ref && mkdir -p /tmp/ref && git archive "$ref" | tar -x -C /tmp/ref
@@ -237,7 +252,7 @@ itl)
     timeout 300 python3 bench/batch1_itl.py --formats bf16,int4_awq,nvfp4,fp8 2>&1 | grep '"format"'
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl|w4big|mma|mid|ncutc|midserve" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl|w4big|mma|mid|ncutc|prefetch|midserve" >&2
     exit 2
     ;;
 esac

@@ -117,7 +117,8 @@ def w4(kernel: str, fmt: str, a: int, b: int, warps: int, stages: int) -> dict:
     if kernel == "w4_small_m":
         fn, constants = w4_small_m._w4_small_m_kernel.fn, dict(constants, BLOCK_N=a, BLOCK_M=b)
     else:
-        fn, constants = w4a16._w4_gemm_kernel.fn, dict(constants, BLOCK_M=a, BLOCK_N=b)
+        fn, constants = w4a16._w4_gemm_kernel.fn, dict(constants, BLOCK_M=a, BLOCK_N=b,
+                                                        PREFETCH=w4a16.PREFETCH_SCALES, EMULATE=False)
     return compile_kernel(fn, types, constants, warps, stages)
 
 

@@ -40,9 +40,12 @@ def test_pack_round_trip_equals_checkpoint_dequantization(fmt, k, group):
 @pytest.mark.parametrize("fmt,m,k,group,split", [("int4", 3, 256, 128, 1), ("int4", 17, 320, 64, 2),
                                                  ("int4", 5, 512, 256, 1), ("nvfp4", 2, 256, 16, 1),
                                                  ("nvfp4", 9, 208, 16, 2)])
-def test_kernel_matches_reference(fmt, m, k, group, split):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_kernel_matches_reference(fmt, m, k, group, split, prefetch, monkeypatch):
     """The tensor-core kernel (weights dequantized from bytes: _byte_nibbles) against the fp32 reference: groups of
-    32 to 256, ragged K, pre_quant_scale (INT4), bias, K splits, partial M and N tiles."""
+    32 to 256, ragged K, pre_quant_scale (INT4), bias, K splits (odd tile counts per split), partial M and N tiles;
+    the scales loaded one tile ahead or not."""
+    monkeypatch.setattr(w4a16, "PREFETCH_SCALES", prefetch)
     n = 80  # not a multiple of BLOCK_N: the last block is partial
     g = torch.Generator().manual_seed(m)
     smooth = (0.5 + torch.rand(k, generator=g)).half() if fmt == "int4" else None

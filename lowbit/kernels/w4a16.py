@@ -34,6 +34,7 @@ DEQUANT_MIN_M = {"int4": 257, "nvfp4": 129}
 # 4.35, and 2.49 against 1.90 at M = 1. At M = 16 NVFP4 was 3.82 against 4.36 there, but the tensor-core kernel's
 # byte dequantization (run 47 call 2) now takes 3.22 against w4_mma's 3.61
 MMA_ROWS = {"int4": (2, 8), "nvfp4": (2, 8)}
+PREFETCH_SCALES = True  # the tensor-core kernel loads the next K tile's INT4 row scales during this one
 
 
 @dataclass
@@ -181,19 +182,54 @@ def _byte_nibbles(wb, sc, IS_FP4: tl.constexpr, BF16: tl.constexpr, EMULATE: tl.
     return lo, hi
 
 
+@helper
+def _tile_scales(s_ptr, t, n_rows, N, GROUP: tl.constexpr, IS_FP4: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """K tile t's scales as stored: INT4 groups >= 128 fp32 [BN] (one per row); NVFP4 e4m3 [BN, 8] and INT4 groups of
+    16-64 fp32 [BN, 8] (one per row and 16-wide block)."""
+    s8 = tl.arange(0, 8)
+    if ROW_SCALE:
+        sc = tl.load(s_ptr + (t * 128 // GROUP) * N + n_rows)
+    elif IS_FP4:
+        sc = tl.load(s_ptr + (t * N + n_rows[:, None]) * 8 + s8[None, :])
+    else:
+        sc = tl.load(s_ptr + ((t * 128 + 16 * s8[None, :]) // GROUP) * N + n_rows[:, None])
+    return sc
+
+
+@helper
+def _tile_operands(t, sc, x_ptr, offs_m, m_ok, K, smooth_ptr, wb_ptrs, IS_FP4: tl.constexpr,
+                   HAS_SMOOTH: tl.constexpr, ROW_SCALE: tl.constexpr, DT: tl.constexpr, EMULATE: tl.constexpr):
+    """K tile t (128 k) and its scales sc (_tile_scales) -> (w [BN, 128] in DT, x^T [128, BM] in DT)."""
+    BLOCK_N: tl.constexpr = wb_ptrs.shape[0]
+    k = t * 128 + tl.arange(0, 128)
+    # [128, BLOCK_M]; rows past M masked, not clamped: a clamped row is read BLOCK_M - M + 1 times by every
+    # program, and those L2 lines become a hot spot at small M
+    xs = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * K + k[:, None], mask=(k[:, None] < K) & m_ok[None, :],
+                 other=0.0)
+    if HAS_SMOOTH:
+        sm = tl.load(smooth_ptr + k, mask=k < K, other=0.0).to(xs.dtype).to(tl.float32)
+        xs = (xs.to(tl.float32) * sm[:, None]).to(xs.dtype)
+    if not ROW_SCALE:  # byte i of a row's 64 lies in 16-block i // 8
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, 8, 8)), (BLOCK_N, 64))
+        if IS_FP4:
+            sc = sc.to(DT)
+    lo, hi = _byte_nibbles(tl.load(wb_ptrs + t * 64), sc, IS_FP4, DT == tl.bfloat16, EMULATE)
+    if not IS_FP4 and not ROW_SCALE:  # q x scale in fp32, rounded once to x's dtype
+        lo, hi = (lo.to(tl.float32) * sc).to(DT), (hi.to(tl.float32) * sc).to(DT)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N, 128)), xs.to(DT)  # w in natural k order
+
+
 @kernel
 def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K, w_stride, n_tiles, tiles_per_split,
                     global_scale, IS_FP4: tl.constexpr, X_BF16: tl.constexpr, GROUP: tl.constexpr,
                     HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    EMULATE: tl.constexpr, PDL: tl.constexpr):
+                    PREFETCH: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     wait_for_producers(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    s8 = tl.arange(0, 8)
-    kk = tl.arange(0, 128)
     n_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: weight loads need no mask, stores are masked
     m_ok = offs_m < M
     # a tile's 16 words per row as 64 bytes: the dot's layout gives each thread bytes of its own k pairs, which
@@ -204,31 +240,24 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K,
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, n_tiles)
+    if PREFETCH and row_scale:
+        sc_next = _tile_scales(s_ptr, t_begin, n_rows, N, GROUP, IS_FP4, row_scale)
     for t in range(t_begin, t_end):
-        k = t * 128 + kk
-        # [128, BLOCK_M]; rows past M masked, not clamped: a clamped row is read BLOCK_M - M + 1 times by every
-        # program, and those L2 lines become a hot spot at small M
-        xs = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * K + k[:, None], mask=(k[:, None] < K) & m_ok[None, :],
-                     other=0.0)
-        if HAS_SMOOTH:
-            sm = tl.load(smooth_ptr + k, mask=k < K, other=0.0).to(xs.dtype).to(tl.float32)
-            xs = (xs.to(tl.float32) * sm[:, None]).to(xs.dtype)
-        if row_scale:
-            sc = tl.load(s_ptr + (t * 128 // GROUP) * N + n_rows)  # fp32 [BN]: applied to the partial product
-        else:  # NVFP4 e4m3 block scales, or INT4 groups of 16-64: one per 16-wide block; byte i is in block i // 8
-            if IS_FP4:
-                sc = tl.load(s_ptr + (t * N + n_rows[:, None]) * 8 + s8[None, :]).to(dt)
-            else:
-                sc = tl.load(s_ptr + ((t * 128 + 16 * s8[None, :]) // GROUP) * N + n_rows[:, None])
-            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, 8, 8)), (BLOCK_N, 64))
-        lo, hi = _byte_nibbles(tl.load(wb_ptrs + t * 64), sc, IS_FP4, dt == tl.bfloat16, EMULATE)
-        if not IS_FP4 and not row_scale:  # q x scale in fp32, rounded once to x's dtype
-            lo, hi = (lo.to(tl.float32) * sc).to(dt), (hi.to(tl.float32) * sc).to(dt)
-        w5 = tl.reshape(tl.join(lo, hi), (BLOCK_N, 128))  # natural k order
+        # INT4's row scales are plain loads used after the dot (Triton's pipeline copies only the dot's operands
+        # ahead): PREFETCH loads the next tile's during this one. NVFP4's feed the operand, and Triton already
+        # loads them an iteration ahead (H200, benchmarks.md run 47 call 5: INT4 1-3 % faster at M = 16-64,
+        # NVFP4 1-15 % slower with it)
+        if PREFETCH and row_scale:
+            sc = sc_next
+            sc_next = _tile_scales(s_ptr, tl.minimum(t + 1, t_end - 1), n_rows, N, GROUP, IS_FP4, row_scale)
+        else:
+            sc = _tile_scales(s_ptr, t, n_rows, N, GROUP, IS_FP4, row_scale)
+        w5, xs = _tile_operands(t, sc, x_ptr, offs_m, m_ok, K, smooth_ptr, wb_ptrs, IS_FP4, HAS_SMOOTH, row_scale, dt,
+                                EMULATE)
         if row_scale:
             acc += tl.dot(w5, xs) * sc[:, None]
         else:  # global_scale carries NVFP4's 2**14 back
-            acc = tl.dot(w5, xs.to(dt), acc)
+            acc = tl.dot(w5, xs, acc)
     split_k.store_out_t(acc, out_ptr, bias_ptr, pid_k, M, N, offs_m, offs_n, n_rows, global_scale, HAS_BIAS)
 
 
@@ -360,7 +389,7 @@ def tensor_core_gemm(x, w: W4Weight, bias=None, config=None):
         target, M, N, K, KP // 8, tiles, tiles_per_split, w.global_scale * (2.0**14 if w.fmt == "nvfp4" else 1.0),
         IS_FP4=w.fmt == "nvfp4", X_BF16=x.dtype == torch.bfloat16, GROUP=w.group,
         HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None and split == 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, EMULATE=interpreting(),
+        BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=PREFETCH_SCALES, EMULATE=interpreting(),
         num_warps=warps, num_stages=stages)
     if split > 1:
         split_k.split_sum(target, bias, out)
