@@ -50,3 +50,32 @@ def test_large_m_gemm_matches_reference(fmt, smooth, bias, monkeypatch):
     assert out.shape == (m, n) and out.dtype == torch.float16
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < GEMM_TOL, err
+
+
+@pytest.mark.parametrize("fmt,m,dequant", [("int4", 256, False), ("int4", 257, True), ("nvfp4", 128, False),
+                                           ("nvfp4", 129, True)])
+def test_dequant_rows_per_format(fmt, m, dequant, monkeypatch):
+    """w4a16_gemm takes the dequant path from DEQUANT_MIN_M[fmt] rows (INT4 257, NVFP4 129: where the H200 measured
+    it faster than the tensor-core kernel) and the tensor-core kernel below; both still match the reference."""
+    calls = []
+    for name, mod in (("dequant_linear", w4_dequant), ("tensor_core_gemm", w4a16)):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
+    packed = random_w4_weight(fmt, 24, 256, 128 if fmt == "int4" else 16, None, seed=5)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(5)).half()
+    out = w4a16.w4a16_gemm(x, packed)
+    assert calls == ["dequant_linear" if dequant else "tensor_core_gemm"]
+    ref = w4a16.w4a16_gemm_ref(x, packed).float()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < GEMM_TOL, err
+
+
+def test_tuned_configs_cover_llama_shapes():
+    """Every Llama-3.1-8B linear shape has a tuned tile per format and M bucket, BLOCK_M the bucket's (128 from 128
+    rows), and choose_config returns it for rows inside the bucket."""
+    shapes = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+    for fmt in ("int4", "nvfp4"):
+        for kp, n in shapes:
+            for m, block_m in ((17, 32), (32, 32), (33, 64), (64, 64), (65, 128), (128, 128), (129, 128), (512, 128)):
+                cfg = w4a16.choose_config(m, n, kp, fmt)
+                assert cfg == w4a16.TUNED[(fmt, kp, n, w4a16._m_bucket(m))] and cfg[0] == block_m, (fmt, n, m, cfg)
