@@ -2,9 +2,9 @@
 
 Kernel layout (built once at load by pack_int4 / pack_nvfp4; the on-disk layout stays modelopt's):
 - qweight int32 [N, KP/8], KP = K rounded up to PACK_K = 128 (padding holds zeros); nibble s of word j holds
-  element k = 8*j + s (natural order). The kernel unpacks a tile's 16 words per row with three tl.join levels
-  (16-bit halves, bytes, nibbles), which keeps each thread's nibbles contiguous in k: the [BN, 128] dot operand
-  then reaches shared memory in wide stores. Two words are one NVFP4 block of 16.
+  element k = 8*j + s (natural order). The kernel reads a tile's 16 words per row as 64 bytes and dequantizes each
+  byte's two nibbles (_byte_nibbles), so Triton loads the bytes straight into the registers of the dot's A operand.
+  Two words are one NVFP4 block of 16.
 - INT4: nibble = q + 8 (q in [-8, 7]); scales fp32 [KP/group, N] (transposed: one contiguous row per group).
 - NVFP4: nibble = e2m1 code; scales float8_e4m3fn [KP/128, N, 8] (a row's 8 block scales of a tile are 8 contiguous
   bytes); global_scale = weight_scale_2 as a Python float.
