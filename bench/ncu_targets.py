@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=64, help="w4tc: rows of x")
     p.add_argument("--launches", type=int, default=5)
     a = p.parse_args(argv)
+    if a.rows < 1:
+        p.error(f"--rows {a.rows}: must be at least 1")
     if not torch.cuda.is_available():
         p.error("needs an NVIDIA GPU (CUDA)")
     (batch, ctx), = int_pairs(p, "--shape", a.shape)

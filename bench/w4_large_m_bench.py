@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without pip install -e
 
-from lowbit.bench_cli import int_list, load_script  # noqa: E402
+from lowbit.bench_cli import int_list, json_lines, load_script  # noqa: E402
 from lowbit.kernels import w4_dequant, w4a16  # noqa: E402
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
@@ -99,14 +99,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
         return 2
-    lines = []
-
-    def emit(d):
-        d = {k: (round(v, 2) if abs(v) >= 1 else float(f"{v:.3g}")) if isinstance(v, float) else v
-             for k, v in d.items()}
-        lines.append(d)
-        print(json.dumps(d), flush=True)
-
+    emit, lines = json_lines()
     ok = run_checks(emit)
     rows = []
     for name, k, n in SHAPES:

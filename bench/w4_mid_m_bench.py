@@ -13,7 +13,6 @@ w4a16.DEQUANT_MIN_M and the TUNED configs.
 Prints JSON lines, and per format a markdown table of ms per token of Llama-3.1-8B (the four linears x 32 layers).
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without pip install -e
 
-from lowbit.bench_cli import int_list, load_script  # noqa: E402
+from lowbit.bench_cli import int_list, json_lines, load_script  # noqa: E402
 from lowbit.kernels import w4_dequant, w4a16  # noqa: E402
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
@@ -127,20 +126,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     ms = int_list(ap, "--m", args.m)
     sweep = set(int_list(ap, "--sweep", args.sweep)) if args.sweep else set()
+    if not sweep <= set(ms):
+        ap.error(f"--sweep {args.sweep}: every M swept must be one of --m {args.m}")
+    if args.reps < 1:
+        ap.error(f"--reps {args.reps}: must be at least 1")
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
         return 2
-    lines = []
-
-    def emit(d):
-        d = {k: (round(v, 2) if abs(v) >= 1 else float(f"{v:.3g}")) if isinstance(v, float) else v
-             for k, v in d.items()}
-        lines.append(d)
-        print(json.dumps(d), flush=True)
-        if args.json:  # as it goes: a run cut short keeps what it measured
-            with args.json.open("a") as f:
-                f.write(json.dumps(d) + "\n")
-
+    emit, lines = json_lines(args.json)  # JSON lines written as they come: a run cut short keeps what it measured
     ok = run_checks(emit)
     rows = []
     for m in ms:  # M outer: a run cut short has every shape of the Ms it reached

@@ -4,6 +4,7 @@ Benchmarks print their figures (and write JSON with --json); they are never time
 """
 import functools
 import importlib.util
+import json
 from pathlib import Path
 
 from lowbit.errors import UserError
@@ -39,6 +40,26 @@ def load_script(filename: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def json_lines(path: Path | None = None):
+    """(emit, lines) for a benchmark's records: emit(d) rounds d's floats (2 decimals from 1 up, else 3 significant
+    digits), keeps it in lines, prints it as one JSON line and, with a path, appends it there as it goes (the file
+    is emptied first), so a run cut short keeps what it measured."""
+    lines = []
+    if path is not None:
+        Path(path).write_text("")
+
+    def emit(d: dict) -> None:
+        d = {k: (round(v, 2) if abs(v) >= 1 else float(f"{v:.3g}")) if isinstance(v, float) else v
+             for k, v in d.items()}
+        lines.append(d)
+        print(json.dumps(d), flush=True)
+        if path is not None:
+            with Path(path).open("a") as f:
+                f.write(json.dumps(d) + "\n")
+
+    return emit, lines
 
 
 def int_list(parser, flag: str, text: str) -> list[int]:

@@ -157,6 +157,36 @@ def test_bench_list_flags_take_positive_ints_or_exit_2(capsys):
         assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].startswith("bench: error: --flag")
 
 
+def test_bench_json_lines_rounds_prints_and_appends(tmp_path, capsys):
+    """bench_cli.json_lines: each record rounded (2 decimals from 1 up, 3 significant digits below), printed as a JSON
+    line and appended to the file as it comes; a file from an earlier run is emptied first."""
+    import json
+
+    from lowbit.bench_cli import json_lines
+
+    path = tmp_path / "run.jsonl"
+    path.write_text('{"stale": 1}\n')
+    emit, lines = json_lines(path)
+    emit({"us": 12.3456, "err": 0.000123456, "M": 64})
+    assert lines == [{"us": 12.35, "err": 0.000123, "M": 64}]
+    assert path.read_text().splitlines() == [json.dumps(lines[0])]
+    emit({"kind": "time"})
+    assert [json.loads(x) for x in path.read_text().splitlines()] == lines
+    assert capsys.readouterr().out.splitlines() == [json.dumps(d) for d in lines]
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("w4_mid_m_bench.py", ["--m", "32,64", "--sweep", "48"], "--sweep 48: every M swept must be one of --m 32,64"),
+    ("w4_mid_m_bench.py", ["--reps", "0"], "--reps 0: must be at least 1"),
+    ("ncu_targets.py", ["w4tc", "--rows", "0"], "--rows 0: must be at least 1"),
+])
+def test_w4_benches_refuse_bad_flags_with_exit_2(capsys, script, argv, message):
+    """The W4 mid-M bench and the ncu target answer bad flags with one usage line and exit 2, before any GPU work."""
+    with pytest.raises(SystemExit) as e:
+        load_script(script).main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
+
+
 def test_step_profile_device_gaps():
     """bench/step_profile.py --trace: the device's idle time between overlapping kernels and copies (ms from us)."""
     sp = load_script("step_profile.py")

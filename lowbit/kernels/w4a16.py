@@ -324,11 +324,10 @@ TUNED = {
     ("nvfp4", 14336, 4096, 256): (128, 64, 2, 4, 3),
     ("nvfp4", 14336, 4096, 4096): (128, 128, 1, 8, 3),
 }
-M_BUCKETS = (1, 16, 32, 64, 128, 512)  # TUNED's row ranges: M <= 1, <= 16, ... <= 512 (bucket 256), more (4096)
-
-
 def _m_bucket(M: int) -> int:
-    return next((256 if b == 512 else b for b in M_BUCKETS if M <= b), 4096)
+    """TUNED's row ranges: M = 1, <= 16, <= 32, <= 64, <= 128, <= 512 (bucket 256), more (bucket 4096)."""
+    return 1 if M == 1 else 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128 if M <= 128 else \
+        256 if M <= 512 else 4096
 
 
 def choose_config(M: int, N: int, KP: int, fmt: str = "int4"):

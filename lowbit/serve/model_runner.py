@@ -21,7 +21,7 @@ _TORCH = {np.int64: torch.int64, np.int32: torch.int32}  # upload's dtypes
 TABLE_WIDTH_MULTIPLE = 16
 UPLOAD_ALIGN_BYTES = 16
 # Prefills run before the pool is sized, besides the max_num_tokens one that measures the peak: two per row range of
-# the W4 GEMM configs (w4a16.M_BUCKETS: <= 16, <= 32, <= 64, <= 128, <= 512, more), a multiple of 16 and not (Triton
+# the W4 GEMM configs (w4a16._m_bucket: <= 16, <= 32, <= 64, <= 128, <= 512, more), a multiple of 16 and not (Triton
 # specializes integer arguments on divisibility by 16), so no request compiles a kernel for its prompt length (~1-2 s
 # for a 128- or 300-token prompt of an int4_awq engine, benchmarks.md run 41). The larger ones also grow
 # w4_dequant's scratch (W4 layers from w4a16.DEQUANT_MIN_M rows) to its final size before the pool is sized and
