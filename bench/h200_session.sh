@@ -19,7 +19,6 @@
 #   bash bench/h200_session.sh mid      # W4 at M = 16-512: checks, route vs dequant vs bf16, sweeps, engine check
 #   bash bench/h200_session.sh ncutc    # Nsight Compute of the W4 tensor-core kernel at 32 / 64 rows; lowbit bench kernels
 #   bash bench/h200_session.sh prefetch # that kernel with its scales loaded a K tile ahead (PREFETCH_SCALES) or not
-#   bash bench/h200_session.sh maxnreg  # that kernel under a 96-register cap or none, M = 32 / 64
 #   bash bench/h200_session.sh midserve # int4_awq / nvfp4 decode at batch 32 / 64, served at 64: this tree vs REF
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
@@ -234,17 +233,6 @@ sys.exit(load_script('w4_mid_m_bench.py').main('--m 16,32,64,128 --json $OUT/mid
     timeout 100 python3 bench/serve_diag.py --phases check --formats int4_awq,nvfp4 2>&1 | grep '"format"' \
         | cut -c1-300
     ;;
-maxnreg)
-    for cap in None 96; do
-        part "W4 at M = 32 / 64, w4a16.TC_MAXNREG = $cap (5 programs per SM instead of 4 at 32 x 64 tiles)"
-        timeout 60 python3 -c "
-import sys
-import lowbit.kernels.w4a16 as w; w.TC_MAXNREG = $cap
-from lowbit.bench_cli import load_script
-sys.exit(load_script('w4_mid_m_bench.py').main('--m 32,64 --reps 5'.split()))
-" 2>&1 | grep -E 'FAIL|^#|^\||failed' | tail -9
-    done
-    ;;
 midserve)
     ref=${REF:-HEAD}
     rm -rf /tmp/ref && mkdir -p /tmp/ref && git archive "$ref" | tar -x -C /tmp/ref
@@ -264,7 +252,7 @@ itl)
     timeout 300 python3 bench/batch1_itl.py --formats bf16,int4_awq,nvfp4,fp8 2>&1 | grep '"format"'
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl|w4big|mma|mid|ncutc|prefetch|maxnreg|midserve" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl|w4big|mma|mid|ncutc|prefetch|midserve" >&2
     exit 2
     ;;
 esac

@@ -35,7 +35,6 @@ DEQUANT_MIN_M = {"int4": 257, "nvfp4": 129}
 # byte dequantization (run 47 call 2) now takes 3.22 against w4_mma's 3.61
 MMA_ROWS = {"int4": (2, 8), "nvfp4": (2, 8)}
 PREFETCH_SCALES = True  # the tensor-core kernel loads the next K tile's INT4 row scales during this one
-TC_MAXNREG = None  # a register cap for the tensor-core kernel (Triton's maxnreg; experiment), None: the compiler's
 
 
 @dataclass
@@ -390,7 +389,7 @@ def tensor_core_gemm(x, w: W4Weight, bias=None, config=None):
         IS_FP4=w.fmt == "nvfp4", X_BF16=x.dtype == torch.bfloat16, GROUP=w.group,
         HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None and split == 1,
         BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=PREFETCH_SCALES, EMULATE=interpreting(),
-        num_warps=warps, num_stages=stages, **({"maxnreg": TC_MAXNREG} if TC_MAXNREG and not interpreting() else {}))
+        num_warps=warps, num_stages=stages)
     if split > 1:
         split_k.split_sum(target, bias, out)
     return out
