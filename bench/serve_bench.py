@@ -453,7 +453,7 @@ def bench_format(args, fmt, results) -> dict:
     res["batch1_long"] = [latency(engine, random_prompts(1, isl, vocab, 3)[0], args.osl) for isl in args.latency_isls]
     warm_up(engine, args, args.isl, args.osl, args.num_requests)
     res["max_load"] = offline(engine, fresh_prompts(args.num_requests, args.isl, vocab), args.osl)
-    if fmt == "bf16" and "output_tok_s" in results.get("hf", {}):
+    if "output_tok_s" in results.get("hf", {}):  # every format against HF's bf16 run of the same float weights
         res["hf_workload"] = offline(engine, random_prompts(args.hf_batch, args.isl, vocab, 7), args.osl)
         res["hf_workload"]["ratio_vs_hf"] = round(res["hf_workload"]["output_tok_s"]
                                                   / results["hf"]["output_tok_s"], 1)
@@ -527,11 +527,13 @@ def markdown(r: dict) -> str:
                   for a in attn]
         lines.append("")
     hf = r.get("hf", {})
-    bf = r.get("serve_bf16", {}).get("hf_workload")
-    if "output_tok_s" in hf and bf:
+    same = [(v["format"], v["hf_workload"]) for k, v in r.items()
+            if k.startswith("serve_") and isinstance(v, dict) and "hf_workload" in v]
+    if "output_tok_s" in hf and same:
+        lowbit = "; ".join(f"{fmt} {w['output_tok_s']} tok/s (**{w['ratio_vs_hf']}x**)" for fmt, w in same)
         lines.append(f"HF transformers {hf['transformers']} `generate`, same dummy bf16 model, batch {hf['batch']}, "
-                     f"{hf['isl']}/{hf['osl']}: {hf['output_tok_s']} tok/s; lowbit bf16 on the same workload: "
-                     f"{bf['output_tok_s']} tok/s (**{bf['ratio_vs_hf']}x**).\n")
+                     f"{hf['isl']}/{hf['osl']}: {hf['output_tok_s']} tok/s. lowbit on the same workload (each format quantized "
+                     f"from the same seeded float weights): {lowbit}.\n")
     failed = [k for k, v in r.items() if isinstance(v, dict) and ("error" in v or "skipped" in v)]
     if failed:
         lines.append(f"Not measured: {', '.join(failed)} (see the JSON).\n")
