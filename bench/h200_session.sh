@@ -55,9 +55,11 @@ serve)
         --json "$OUT/serve_fp8_512.json" 2>&1 | grep -E '^\['
     ;;
 formats)
-    part "serving: batch 1 and maximum load (batch 512) of bf16, int4_awq, nvfp4; HF transformers at batch 64"
+    # batch 1024: all 1024 requests in flight at once, as FP8's maximum load (W4: 17.3k against 15.5k at batch 512,
+    # benchmarks.md run 48)
+    part "serving: batch 1 and maximum load (batch 1024) of bf16, int4_awq, nvfp4; HF transformers at batch 64"
     timeout 540 python3 bench/serve_bench.py --formats bf16,int4_awq,nvfp4 --phases hf,formats \
-        --max-batch-size 512 --deadline-s 480 --json "$OUT/serve.json" --markdown "$OUT/serve.md" 2>&1 | grep -E '^\['
+        --max-batch-size 1024 --deadline-s 480 --json "$OUT/serve.json" --markdown "$OUT/serve.md" 2>&1 | grep -E '^\['
     ;;
 trt)
     part "FP8 maximum load with TRT-LLM's perf-overview request counts: 3000 x 2048/128, 3000 x 1000/1000"
