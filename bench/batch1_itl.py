@@ -16,8 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lowbit.bench_cli import load_script  # noqa: E402
+from lowbit.serve.dummy_weights import FORMATS  # noqa: E402
 
-FORMATS = ("bf16", "fp8", "int4_awq", "nvfp4")
 
 
 def main(argv=None) -> int:

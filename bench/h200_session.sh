@@ -19,6 +19,7 @@
 #   bash bench/h200_session.sh mid      # W4 at M = 16-512: checks, route vs dequant vs bf16, sweeps, engine check
 #   bash bench/h200_session.sh ncutc    # Nsight Compute of the W4 tensor-core kernel at 32 / 64 rows; lowbit bench kernels
 #   bash bench/h200_session.sh prefetch # that kernel with its scales loaded a K tile ahead (PREFETCH_SCALES) or not
+#   bash bench/h200_session.sh int8     # INT8 (SmoothQuant) at M = 1-16 by dp4a: checks, times; w8a8_sq batch-1 A / B
 #   bash bench/h200_session.sh midserve # int4_awq / nvfp4 decode at batch 32 / 64, served at 64: this tree vs REF
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
@@ -235,6 +236,24 @@ sys.exit(load_script('w4_mid_m_bench.py').main('--m 16,32,64,128 --json $OUT/mid
     timeout 100 python3 bench/serve_diag.py --phases check --formats int4_awq,nvfp4 2>&1 | grep '"format"' \
         | cut -c1-300
     ;;
+int8)
+    part "INT8 at M = 1-16 by dp4a (int8_gemv) against the tensor-core int8 GEMM and cuBLAS bf16, checked first"
+    timeout 180 python3 bench/int8_gemv_bench.py --configs "8,2048,4;4,2048,4" --reps 10 --json "$OUT/int8.json" \
+        2>&1 | grep -E 'FAIL|^#|^\||failed'
+    for rows in 0 8; do
+        part "w8a8_sq batch-1 ITL, w8a8.INT8_GEMV_MAX_M = $rows"
+        timeout 75 python3 bench/batch1_itl.py --formats w8a8_sq --set "lowbit.kernels.w8a8.INT8_GEMV_MAX_M=$rows" \
+            2>&1 | grep '"format"'
+    done
+    for rows in 0 8; do
+        part "engine check, w8a8_sq (kernels + graphs against the fp32 reference path), INT8_GEMV_MAX_M = $rows"
+        timeout 60 python3 -c "
+import lowbit.kernels.w8a8 as w; w.INT8_GEMV_MAX_M = $rows
+from lowbit.bench_cli import load_script
+load_script('serve_bench.py').main(['--formats', 'w8a8_sq', '--phases', 'check', '--json', '$OUT/check_$rows.json'])
+" 2>&1 | grep -E '^\[' | cut -c1-200
+    done
+    ;;
 midserve)
     ref=${REF:-HEAD}
     rm -rf /tmp/ref && mkdir -p /tmp/ref && git archive "$ref" | tar -x -C /tmp/ref
@@ -254,7 +273,7 @@ itl)
     timeout 300 python3 bench/batch1_itl.py --formats bf16,int4_awq,nvfp4,fp8 2>&1 | grep '"format"'
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl|w4big|mma|mid|ncutc|prefetch|midserve" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl|w4big|mma|mid|ncutc|prefetch|int8|midserve" >&2
     exit 2
     ;;
 esac

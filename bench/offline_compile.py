@@ -13,6 +13,7 @@ versions differ.
 `python3 bench/offline_compile.py w4_gemv int4,8,2048,2 [FMT,BLOCK_N,BLOCK_K,WARPS ...]`
 `python3 bench/offline_compile.py dense_gemv bf16,8,1024,4 [bf16|fp8,BLOCK_N,BLOCK_K,WARPS ...]`
 `python3 bench/offline_compile.py w4_mma bf16,16,2048,4 [bf16|fp16|nvfp4[x2],BLOCK_N,BLOCK_K,WARPS ...]`
+`python3 bench/offline_compile.py int8_gemv m1,8,2048,4 [mROWS,BLOCK_N,BLOCK_K,WARPS ...]`
 """
 import argparse
 import ast
@@ -25,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lowbit.bench_cli import load_script  # noqa: E402
-from lowbit.kernels import dense_gemv, w4_gemv, w4_mma, w4_small_m, w4a16  # noqa: E402
+from lowbit.kernels import dense_gemv, int8_gemv, w4_gemv, w4_mma, w4_small_m, w4a16  # noqa: E402
 from lowbit.kernels import paged_attention as pa, paged_prefill as pp  # noqa: E402
 
 HQ, HK, D, BS = 32, 8, 128, 16
@@ -42,7 +43,7 @@ def compile_kernel(fn, types: dict, constants: dict, warps: int, stages: int, ma
     signature = {n: types.get(n, "constexpr") for n in names}
     constexprs = {(i,): constants[n] for i, n in enumerate(names) if n in constants}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if n.endswith("_ptr") or n in ("bt_stride", "half_stride", "N", "K", "KP", "w_stride")}
+               if n.endswith("_ptr") or n in ("bt_stride", "half_stride", "N", "K", "KP", "KW", "w_stride")}
     options = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
     k = triton.compile(ASTSource(fn=triton.jit(fn), signature=signature, constexprs=constexprs, attrs=aligned),
                        target=GPUTarget("cuda", 90, 32), options=options)
@@ -156,13 +157,25 @@ def w4_mma_job(kind: str, block_n: int, block_k: int, warps: int) -> dict:
     return compile_kernel(w4_mma._w4_mma_kernel.fn, types, constants, warps, 1)
 
 
+def int8_gemv_job(rows: str, block_n: int, block_k: int, warps: int) -> dict:
+    """INT8 by dp4a for M_PAD x rows ("m1" .. "m16"), a per-tensor x scale and per-row weight scales (SmoothQuant's),
+    K a multiple of BLOCK_K, no bias."""
+    types = dict(x_ptr="*i32", w_ptr="*i32", sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
+                 M="i32", N="i32", KW="i32")
+    constants = dict(SA_PER_ROW=False, SB_PER_ROW=True, HAS_BIAS=False, M_PAD=int(rows[1:]), BLOCK_N=block_n,
+                     BLOCK_KW=block_k // 4, EVEN_K=True, EMULATE=False)
+    return compile_kernel(int8_gemv._int8_gemv_kernel.fn, types, constants, warps, 1)
+
+
 GEMV_JOBS = {"w4_gemv": (("int4", "nvfp4"), w4_gemv_job), "dense_gemv": (("bf16", "fp8"), dense_gemv_job),
-             "w4_mma": (("bf16", "fp16", "nvfp4", "bf16x2", "fp16x2", "nvfp4x2"), w4_mma_job)}
+             "w4_mma": (("bf16", "fp16", "nvfp4", "bf16x2", "fp16x2", "nvfp4x2"), w4_mma_job),
+             "int8_gemv": (("m1", "m2", "m4", "m8", "m16"), int8_gemv_job)}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kernel", choices=["decode", "prefill", "w4_small_m", "w4a16", "w4_gemv", "dense_gemv", "w4_mma"])
+    p.add_argument("kernel", choices=["decode", "prefill", "w4_small_m", "w4a16", "w4_gemv", "dense_gemv", "w4_mma",
+                                             "int8_gemv"])
     p.add_argument("configs", nargs="+")
     a = p.parse_args(argv)
     if a.kernel == "decode":

@@ -5,12 +5,14 @@ Activations are quantized by one fused Triton pass (act_quant), then
 - FP8 at small M (decode): lowbit's Triton small-M GEMM (fp8_small_m), scales and bias in the same launch;
 - FP8 otherwise: torch._scaled_mm (cuBLASLt) with per-tensor or row-wise scales, or the Triton scaled GEMM where it
   cannot run;
-- INT8: the Triton int8 GEMM with a per-token x per-channel epilogue (scaled_gemm).
+- INT8 at small M (decode): int8_gemv, dp4a on CUDA cores; otherwise the Triton int8 GEMM with a per-token x
+  per-channel epilogue (scaled_gemm).
 """
 import torch
 
 from lowbit.kernels._triton import on_gpu
 from lowbit.kernels.act_quant import act_quant, act_quant_ref
+from lowbit.kernels import int8_gemv
 from lowbit.kernels.dense_gemv import fp8_gemv
 from lowbit.kernels.fp8_small_m import fp8_small_m_gemm
 from lowbit.kernels.scaled_gemm import scaled_gemm, scaled_gemm_ref
@@ -54,12 +56,22 @@ SMALL_M_PER_TENSOR_MIN_K = 8192
 # fp8_small_m / _scaled_mm (gate_up 33.8 vs 30.5 us, down 21.8 vs 18.1).
 FP8_GEMV_MAX_WEIGHTS = 4096 * 6144
 FP8_GEMV_CONFIG = (8, 1024, 2)  # (BLOCK_N, BLOCK_K, num_warps)
+# INT8 (SmoothQuant) layers at up to INT8_GEMV_MAX_M x rows run int8_gemv (dp4a on CUDA cores) instead of the
+# tensor-core int8 GEMM. H200, ms per token of the four Llama-3.1-8B linears x 32 layers (benchmarks.md run 48 call
+# 6): M = 1 2.02 against 7.79 (cuBLAS bf16 3.85), M = 4 2.96 against 7.43, M = 8 4.71 against 7.28; at M = 16 the
+# GEMM is faster (6.58 against 9.29)
+INT8_GEMV_MAX_M = 8
 
 
 def scale_kind(scale_a, scale_b) -> str:
     if scale_a.numel() > 1:
         return "per_token"
     return "per_row" if scale_b.numel() > 1 else "per_tensor"
+
+
+def int8_gemv_applies(q, w, scale_a) -> bool:
+    """INT8 x and weights on the GPU, at most INT8_GEMV_MAX_M rows, in the shapes int8_gemv supports."""
+    return on_gpu(q) and q.shape[0] <= INT8_GEMV_MAX_M and int8_gemv.supports(q, w, scale_a)
 
 
 def fp8_gemv_applies(q, w, scale_a) -> bool:
@@ -105,6 +117,8 @@ def w8a8_linear(x, w, w_scale, input_scale=None, smooth=None, bias=None):
 
 def w8a8_linear_prequantized(q, w, w_scale, scale_a, bias, out_dtype):
     """q [M, K] already quantized (x ~= q * scale_a), e.g. by a producer kernel's fp8 epilogue."""
+    if int8_gemv_applies(q, w, scale_a):
+        return int8_gemv.int8_gemv(q, w, scale_a, w_scale, bias, out_dtype)
     if fp8_gemv_applies(q, w, scale_a):
         return fp8_gemv(q, w, scale_a, w_scale, bias, out_dtype, FP8_GEMV_CONFIG)
     return tensor_core_linear(q, w, w_scale, scale_a, bias, out_dtype)

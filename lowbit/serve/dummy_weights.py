@@ -23,6 +23,7 @@ LLAMA_3_1_8B = {
 }
 FORMATS = {  # name -> (quant_algo of the linears, kv_cache_quant_algo)
     "bf16": (None, None), "fp8": ("FP8", "FP8"), "int4_awq": ("W4A16_AWQ", None), "nvfp4": ("NVFP4", None),
+    "w8a8_sq": ("W8A8_SQ_PER_CHANNEL", None),
 }
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -112,7 +113,8 @@ def _tensor_names(ckpt: DummyCheckpoint) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     suffixes = {None: ["weight"], "FP8": ["weight", "weight_scale", "input_scale"],
                 "W4A16_AWQ": ["weight", "weight_scale"], "NVFP4": ["weight", "weight_scale", "weight_scale_2",
-                                                                  "input_scale"]}[ckpt.quant_algo]
+                                                                  "input_scale"],
+                "W8A8_SQ_PER_CHANNEL": ["weight", "weight_scale", "input_scale", "pre_quant_scale"]}[ckpt.quant_algo]
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}

@@ -1,0 +1,110 @@
+"""INT8 W8A8 (SmoothQuant) at small M (decode): y = (q @ W^T) * scale_a * scale_b (+ bias), as scaled_gemm_ref, on
+CUDA cores with `dp4a` (four int8 products summed into an int32 per instruction: a quarter of an instruction per
+weight, no conversion). q [M, K] and W [N, K] int8, K-contiguous; scale_a fp32 [] or [M, 1], scale_b fp32 [] or [N].
+
+The one-row GEMV's structure (lowbit.kernels.dense_gemv): each program owns BLOCK_N weight rows over all of K, read
+as int32 words; a K step is C = BLOCK_K / 16 chunks of 16 bytes per row, chunk c on thread c mod (32 x num_warps),
+which holds every row of its chunks (one 16-byte load per row and chunk, .cg) and the chunk of every x row (M_PAD
+rows, the ones past M masked to 0). The next step's weights are loaded while this one is summed; the first before
+the PDL wait. Sums are exact int32 (|q w| <= 127^2, so K up to ~133k), scaled in fp32 once. Under the interpreter
+dp4a is emulated with shifts (bytes sign-extended) and int32 math.
+"""
+import torch
+
+from lowbit.kernels._triton import (cdiv, early_kernel, helper, interpreting, load_streamed, next_pow2, tl, use_triton,
+                                    wait_for_producers)
+from lowbit.kernels.w4_mma import _split4
+
+MAX_M = 16
+# (BLOCK_N, BLOCK_K in bytes, num_warps) by x rows: BLOCK_K / 16 chunks, one per thread. H200 (`python3
+# bench/int8_gemv_bench.py --configs "8,2048,4;4,2048,4"`, benchmarks.md run 48 call 6), ms per token of the four
+# Llama-3.1-8B linears x 32 layers, (4, 2048, 4) / (8, 2048, 4) / (2, 2048, 4): M = 1 2.02 / 2.12 / -, M = 2 2.44 /
+# 2.52 / -, M = 4 2.96 / 2.95 / -, M = 8 6.24 / 4.71 / 9.71, M = 16 11.50 / 9.29 / 18.37 (the int8 GEMM 6.58 there)
+CONFIGS = {4: (4, 2048, 4), 16: (8, 2048, 4)}
+def choose_config(M: int) -> tuple:
+    """CONFIGS' entry for the fewest rows that hold M."""
+    return CONFIGS[min(r for r in CONFIGS if r >= M)]
+
+
+def supports(q: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor) -> bool:
+    """int8 q and w, 1 <= M <= MAX_M, K a multiple of 4 (rows of int32 words), scale_a one value or one per row."""
+    M, K = q.shape
+    return (q.dtype == w.dtype == torch.int8 and 1 <= M <= MAX_M and K % 4 == 0 and w.shape[1] == K
+            and scale_a.numel() in (1, M))
+
+
+def int8_gemv(q, w, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, config=None):
+    """q [M, K] int8 (x ~= q * scale_a), w [N, K] int8 -> [M, N] out_dtype (scales and bias as the module says).
+    config (BLOCK_N, BLOCK_K bytes, num_warps), default choose_config(M); BLOCK_K a multiple of 16 x 32 x num_warps."""
+    assert use_triton(q) and supports(q, w, scale_a), (q.shape, q.dtype, w.shape, w.dtype, scale_a.shape)
+    M, K = q.shape
+    N = w.shape[0]
+    block_n, block_k, warps = config or choose_config(M)
+    assert block_k % (16 * 32 * warps) == 0, (block_k, warps)
+    sa, sb = scale_a.float().reshape(-1).contiguous(), scale_b.float().reshape(-1).contiguous()
+    out = torch.empty(M, N, dtype=out_dtype, device=q.device)
+    _int8_gemv_kernel[(cdiv(N, block_n),)](
+        q.contiguous().view(torch.int32), w.contiguous().view(torch.int32), sa, sb,
+        bias if bias is not None else out, out, M, N, K // 4, SA_PER_ROW=sa.numel() > 1, SB_PER_ROW=sb.numel() > 1,
+        HAS_BIAS=bias is not None, M_PAD=next_pow2(M), BLOCK_N=block_n, BLOCK_KW=block_k // 4,
+        EVEN_K=K % block_k == 0, EMULATE=interpreting(), num_warps=warps)
+    return out
+
+
+@helper
+def _word_dot(a, b):
+    """Emulated dp4a without its addend: the sum of the products of int32 words a and b's signed bytes."""
+    out = ((a << 24) >> 24) * ((b << 24) >> 24)
+    for j in tl.static_range(1, 4):
+        out += ((a << (24 - 8 * j)) >> 24) * ((b << (24 - 8 * j)) >> 24)
+    return out
+
+
+@helper
+def _dp4a_chunk(w, x, acc, EMULATE: tl.constexpr):
+    """acc + the dot product of 16-byte chunks w and x ([..., 4] int32 words, the same shape) as int32."""
+    w0, w1, w2, w3 = _split4(w)
+    x0, x1, x2, x3 = _split4(x)
+    if EMULATE:
+        out = acc + _word_dot(w0, x0) + _word_dot(w1, x1) + _word_dot(w2, x2) + _word_dot(w3, x3)
+    else:
+        out = tl.inline_asm_elementwise(
+            "dp4a.s32.s32 $0, $1, $5, $9; dp4a.s32.s32 $0, $2, $6, $0; dp4a.s32.s32 $0, $3, $7, $0; "
+            "dp4a.s32.s32 $0, $4, $8, $0;", "=r,r,r,r,r,r,r,r,r,r", [w0, w1, w2, w3, x0, x1, x2, x3, acc],
+            dtype=tl.int32, is_pure=True, pack=1)
+    return out
+
+
+@early_kernel
+def _int8_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, KW, SA_PER_ROW: tl.constexpr,
+                      SB_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_KW: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+    """out[m, n] for m < M and BLOCK_N rows n (clamped for the loads, masked at the store), KW = K / 4 words per
+    row. EVEN_K: BLOCK_KW | KW."""
+    C: tl.constexpr = BLOCK_KW // 4  # 16-byte chunks per row and step
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    kk = (4 * tl.arange(0, C))[:, None, None] + tl.arange(0, 4)[None, None, :]  # [C, 1, 4]: word of each element
+    w_ptrs = w_ptr + n_rows[None, :, None] * KW + kk  # [C, BN, 4]
+    mm = tl.arange(0, M_PAD)
+    x_ptrs = x_ptr + tl.minimum(mm, M - 1).to(tl.int64)[:, None, None, None] * KW + kk[None]  # [M_PAD, C, 1, 4]
+    x_ok = (mm < M)[:, None, None, None]
+    acc = tl.zeros((M_PAD, C, BLOCK_N), dtype=tl.int32)
+    n_steps = tl.cdiv(KW, BLOCK_KW)
+    w = load_streamed(w_ptrs, kk < KW, not EVEN_K)
+    wait_for_producers(PDL)
+    for kb in range(0, n_steps):
+        k0 = kb * BLOCK_KW
+        k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_KW  # the last step reloads itself
+        w_next = load_streamed(w_ptrs + k_next, k_next + kk < KW, not EVEN_K)
+        xs = tl.load(x_ptrs + k0, mask=x_ok if EVEN_K else x_ok & (k0 + kk[None] < KW), other=0)
+        shape: tl.constexpr = (M_PAD, C, BLOCK_N, 4)
+        acc = _dp4a_chunk(tl.broadcast_to(w[None], shape), tl.broadcast_to(xs, shape), acc, EMULATE)
+        w = w_next
+    out = tl.sum(acc, axis=1).to(tl.float32)  # [M_PAD, BN]
+    out *= tl.load(sa_ptr + tl.minimum(mm, M - 1))[:, None] if SA_PER_ROW else tl.load(sa_ptr)
+    out *= tl.load(sb_ptr + n_rows)[None, :] if SB_PER_ROW else tl.load(sb_ptr)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n_rows)[None, :].to(tl.float32)
+    tl.store(out_ptr + mm[:, None].to(tl.int64) * N + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(mm < M)[:, None] & (offs_n < N)[None, :])
