@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lowbit.bench_cli import int_list  # noqa: E402
 from lowbit.kernels import silu_and_mul_ref  # noqa: E402
+from lowbit.kernels.act_quant import act_quant_ref  # noqa: E402
 from lowbit.kernels.norm import quantize_fp8_ref  # noqa: E402
 from lowbit.serve import attention as attn_mod  # noqa: E402
 from lowbit.serve import layers as layers_mod  # noqa: E402
@@ -212,6 +213,21 @@ def fp8_linear_fp32(x, p, bias, out_dtype):
     return y.to(out_dtype or (torch.bfloat16 if x.dtype == torch.float8_e4m3fn else x.dtype))
 
 
+def int8_linear_fp32(x, p, bias, out_dtype):
+    """Static INT8 (SmoothQuant) as the kernels compute it: int8 codes of the smoothed x, fp32 math on them times the
+    scales, one rounding at the end (linear_ref rounds the dequantized activation to x's dtype first)."""
+    codes, scale = act_quant_ref(x, torch.int8, p.input_scale, p.smooth)
+    y = (codes.float() * scale) @ p.ref_weight().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype)
+
+
+# static W8A8 algorithms -> their linears as the kernels compute them; formats whose check uses the spread rule
+STATIC_W8A8_ALGOS = {"FP8": fp8_linear_fp32, "W8A8_SQ_PER_CHANNEL": int8_linear_fp32}
+STATIC_W8A8_FORMATS = ("fp8", "w8a8_sq")
+
+
 LAYER_OPS = ("dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul")  # the kernel ops layers call
 
 
@@ -224,16 +240,16 @@ def dense_linear_fp32(x, weight, bias=None, silu_mul=False):
 @contextmanager
 def reference_path(engine, reader_rounding: bool = False):
     """Every op on its torch reference in fp32 math (NVFP4 as the weight-only reference, which is what Hopper serves;
-    static FP8 linears and FP8 KV attention as fp32 math on the FP8 codes, which is what the kernels compute).
-    reader_rounding: FP8 as the checkpoint reader computes it instead (dequantized activations and K/V rounded to
-    bf16 first, as modelopt's fake quantization does)."""
+    static FP8 / INT8 linears and FP8 KV attention as fp32 math on the codes, which is what the kernels compute).
+    reader_rounding: static W8A8 as the checkpoint reader computes it instead (dequantized activations and K/V rounded
+    to bf16 first, as modelopt's fake quantization does)."""
     from lowbit.kernels import linear_ref, rms_norm_ref, rotary_ref
 
     weight_only = {}
 
     def ref_linear(x, p, bias=None, out_dtype=None):
-        if p.algo == "FP8" and p.input_scale is not None and not reader_rounding:
-            return fp8_linear_fp32(x, p, bias, out_dtype)
+        if p.algo in STATIC_W8A8_ALGOS and p.input_scale is not None and not reader_rounding:
+            return STATIC_W8A8_ALGOS[p.algo](x, p, bias, out_dtype)
         if p.algo == "NVFP4":
             from dataclasses import replace
             p = weight_only.setdefault(id(p), replace(p, algo="W4A16_NVFP4", input_scale=None))
@@ -333,8 +349,8 @@ def check_format(args, fmt) -> dict:
     res["overlapped_steps_same_tokens"] = greedy_overlapped(engine, prompts, osl) == free_running
     res["graph_used"] = engine.runner.graphs is not None
     tol, tie = GPU_TOL, TIE_TOL
-    if fmt == "fp8":
-        # Static FP8 activation quantization turns ulp-level differences into flipped FP8 codes that compound over
+    if fmt in STATIC_W8A8_FORMATS:
+        # Static FP8 / INT8 activation quantization turns ulp-level differences into flipped codes that compound over
         # layers, so the bar is the spread between two rounding conventions of the same reference: the kernels may
         # differ from the fp32 reference by at most 1.5x what the checkpoint reader's bf16 roundings do, in logits
         # and in how far below the reference's best their greedy pick lies.
