@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without pip install -e
 
-from lowbit.bench_cli import int_list, json_lines, load_script  # noqa: E402
+from lowbit.bench_cli import gemv_configs, int_list, json_lines, load_script  # noqa: E402
 from lowbit.kernels import int8_gemv, w8a8  # noqa: E402
 from lowbit.kernels.scaled_gemm import scaled_gemm, scaled_gemm_ref  # noqa: E402
 
@@ -115,12 +115,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     ms = int_list(ap, "--m", args.m)
-    try:
-        extra = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
-    except ValueError:
-        ap.error("--configs takes BN,BK,W;... (integers)")
-    if any(len(c) != 3 or min(c) < 1 or c[1] % (16 * 32 * c[2]) for c in extra):
-        ap.error("--configs: BK a multiple of 512 x W (positive integers)")
+    extra = gemv_configs(ap, "--configs", args.configs)
+    if any(c[1] % (16 * 32 * c[2]) for c in extra):
+        ap.error("--configs: BK a multiple of 512 x W")
     if any(not 1 <= m <= int8_gemv.MAX_M for m in ms):
         ap.error(f"--m: 1 to {int8_gemv.MAX_M}")
     if args.reps < 1:

@@ -33,7 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without pip install -e
 
-from lowbit.bench_cli import load_script  # noqa: E402
+from lowbit.bench_cli import gemv_configs, load_script  # noqa: E402
 from lowbit.kernels import w4_gemv, w4a16  # noqa: E402
 
 DEV = "cpu" if DRY_RUN else "cuda"
@@ -231,13 +231,8 @@ def main(argv=None) -> int:
     ap.add_argument("--m2", action="store_true",
                     help="x of two rows: the two-row GEMV against w4_small_m / the tensor-core kernel")
     args = ap.parse_args(argv)
-    try:
-        extra = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
-    except ValueError:
-        ap.error("--configs takes BN,BK,W;... (integers)")
-    if any(len(c) != 3 for c in extra):
-        ap.error("--configs takes BN,BK,W;... (three integers each)")
-    bad = [c for c in extra if c[0] % 4 or c[2] < 1 or c[1] % (1024 * c[2])]
+    extra = gemv_configs(ap, "--configs", args.configs)
+    bad = [c for c in extra if c[0] % 4 or c[1] % (1024 * c[2])]
     if bad:
         ap.error(f"--configs {bad}: BN a multiple of 4, BK a multiple of 1024 x W")
     if not DRY_RUN and not torch.cuda.is_available():

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without pip install -e
 
-from lowbit.bench_cli import int_list, load_script  # noqa: E402
+from lowbit.bench_cli import gemv_configs, int_list, load_script  # noqa: E402
 from lowbit.kernels import w4_mma, w4a16  # noqa: E402
 
 SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
@@ -120,12 +120,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     ms = int_list(ap, "--m", args.m)
-    try:
-        extra = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c.strip()]
-    except ValueError:
-        ap.error("--configs takes BN,BK,W;... (integers)")
-    if any(len(c) != 3 or min(c) < 1 or c[0] % 16 or c[1] % (128 * c[2]) for c in extra):
-        ap.error("--configs: BN a multiple of 16, BK a multiple of 128 x W (positive integers)")
+    extra = gemv_configs(ap, "--configs", args.configs)
+    if any(c[0] % 16 or c[1] % (128 * c[2]) for c in extra):
+        ap.error("--configs: BN a multiple of 16, BK a multiple of 128 x W")
     if any(not 1 <= m <= w4_mma.MAX_M for m in ms):
         ap.error(f"--m: 1 to {w4_mma.MAX_M}")
     if not torch.cuda.is_available():

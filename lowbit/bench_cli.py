@@ -73,9 +73,16 @@ def int_pairs(parser, flag: str, text: str) -> list[tuple[int, int]]:
     return _int_tuples(parser, flag, text, 2, "AxB[,CxD...]")
 
 
-def _int_tuples(parser, flag: str, text: str, width: int, form: str) -> list[tuple[int, ...]]:
+def gemv_configs(parser, flag: str, text: str) -> list[tuple[int, int, int]]:
+    """'BN,BK,W;BN,BK,W' -> [(BN, BK, W), ...] of positive ints (a GEMV bench's tile configs); anything else is a
+    usage error (one line, exit 2)."""
+    return _int_tuples(parser, flag, text, 3, "BN,BK,W[;BN,BK,W...]", items=";", fields=",")
+
+
+def _int_tuples(parser, flag: str, text: str, width: int, form: str, items: str = ",",
+                fields: str = "x") -> list[tuple[int, ...]]:
     try:
-        out = [tuple(int(v) for v in item.split("x")) for item in text.split(",") if item]
+        out = [tuple(int(v) for v in item.split(fields)) for item in text.split(items) if item.strip()]
     except ValueError:
         out = None
     if out is None or any(len(t) != width or min(t) <= 0 for t in out):

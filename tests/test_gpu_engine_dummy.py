@@ -143,15 +143,19 @@ def test_step_profile_lists_slow_steps_with_their_batches():
 
 
 def test_bench_list_flags_take_positive_ints_or_exit_2(capsys):
-    """The benchmarks' list flags (bench_cli.int_list / int_pairs): the parsed values, or one usage line and exit 2."""
+    """The benchmarks' list flags (bench_cli.int_list / int_pairs / gemv_configs): the parsed values, or one usage
+    line and exit 2."""
     import argparse
 
-    from lowbit.bench_cli import int_list, int_pairs
+    from lowbit.bench_cli import gemv_configs, int_list, int_pairs
 
     p = argparse.ArgumentParser(prog="bench")
     assert int_list(p, "--m", "1,16,4096") == [1, 16, 4096]
     assert int_pairs(p, "--decode", "1x512,256x200") == [(1, 512), (256, 200)]
-    for parse, text in ((int_list, "1,x"), (int_list, "0"), (int_pairs, "2x3x4"), (int_pairs, "2x-3")):
+    assert gemv_configs(p, "--configs", "8,2048,4; 4,1024,2;") == [(8, 2048, 4), (4, 1024, 2)]
+    assert gemv_configs(p, "--configs", "") == []
+    for parse, text in ((int_list, "1,x"), (int_list, "0"), (int_pairs, "2x3x4"), (int_pairs, "2x-3"),
+                        (gemv_configs, "8,2048"), (gemv_configs, "8,2048,0"), (gemv_configs, "8x2048x4")):
         with pytest.raises(SystemExit) as e:
             parse(p, "--flag", text)
         assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].startswith("bench: error: --flag")
