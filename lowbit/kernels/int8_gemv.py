@@ -21,6 +21,8 @@ MAX_M = 16
 # Llama-3.1-8B linears x 32 layers, (4, 2048, 4) / (8, 2048, 4) / (2, 2048, 4): M = 1 2.02 / 2.12 / -, M = 2 2.44 /
 # 2.52 / -, M = 4 2.96 / 2.95 / -, M = 8 6.24 / 4.71 / 9.71, M = 16 11.50 / 9.29 / 18.37 (the int8 GEMM 6.58 there)
 CONFIGS = {4: (4, 2048, 4), 16: (8, 2048, 4)}
+
+
 def choose_config(M: int) -> tuple:
     """CONFIGS' entry for the fewest rows that hold M."""
     return CONFIGS[min(r for r in CONFIGS if r >= M)]
