@@ -233,3 +233,27 @@ def test_step_profile_lists_kernel_variants_built_mid_run():
         unwatch()
     assert triton.knobs.runtime.jit_cache_hook is before
     assert compiled == [[7, "_decode_kernel"]]
+
+
+def test_static_int8_reference_is_fp32_math_on_the_codes():
+    """serve_bench's reference path computes a static INT8 (w8a8_sq) linear as the kernels do: int8 codes of the
+    smoothed x (act_quant_ref), exact products, the scales once (the GPU check's baseline); linear_ref (the checkpoint
+    reader's convention) rounds the dequantized x to bf16 first, so the two differ by about that rounding only."""
+    from lowbit.kernels import linear_ref
+    from lowbit.kernels.act_quant import act_quant_ref
+    from lowbit.kernels.qlinear import prepare_linear
+    from lowbit.kernels.synthetic import quantize_linear
+
+    bench = load_bench()
+    g = torch.Generator().manual_seed(3)
+    smooth = (0.5 + torch.rand(256, generator=g)).to(torch.bfloat16)
+    p = prepare_linear("W8A8_SQ_PER_CHANNEL", quantize_linear("W8A8_SQ_PER_CHANNEL", torch.randn(64, 256, generator=g)
+                                                             * 0.02, smooth=smooth), "cpu")
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    out = bench.int8_linear_fp32(x, p, None, torch.float32)
+    codes, _ = act_quant_ref(x, torch.int8, p.input_scale, p.smooth)
+    exact = (codes.double() @ p.source["weight"].double().t()) * p.input_scale.double() \
+        * p.source["weight_scale"].double()
+    assert ((out.double() - exact).norm() / exact.norm()).item() < 1e-6
+    reader = linear_ref(x, p, None, torch.float32)
+    assert 0 < ((reader - out).norm() / out.norm()).item() < 1e-2
