@@ -19,7 +19,6 @@ from lowbit.bench_cli import load_script  # noqa: E402
 from lowbit.serve.dummy_weights import FORMATS  # noqa: E402
 
 
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default="bf16,int4_awq")

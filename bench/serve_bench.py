@@ -223,9 +223,8 @@ def int8_linear_fp32(x, p, bias, out_dtype):
     return y.to(out_dtype or x.dtype)
 
 
-# static W8A8 algorithms -> their linears as the kernels compute them; formats whose check uses the spread rule
+# static W8A8 algorithms -> their linears as the kernels compute them (formats of these take the check's spread rule)
 STATIC_W8A8_ALGOS = {"FP8": fp8_linear_fp32, "W8A8_SQ_PER_CHANNEL": int8_linear_fp32}
-STATIC_W8A8_FORMATS = ("fp8", "w8a8_sq")
 
 
 LAYER_OPS = ("dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul")  # the kernel ops layers call
@@ -349,7 +348,7 @@ def check_format(args, fmt) -> dict:
     res["overlapped_steps_same_tokens"] = greedy_overlapped(engine, prompts, osl) == free_running
     res["graph_used"] = engine.runner.graphs is not None
     tol, tie = GPU_TOL, TIE_TOL
-    if fmt in STATIC_W8A8_FORMATS:
+    if FORMATS[fmt][0] in STATIC_W8A8_ALGOS:
         # Static FP8 / INT8 activation quantization turns ulp-level differences into flipped codes that compound over
         # layers, so the bar is the spread between two rounding conventions of the same reference: the kernels may
         # differ from the fp32 reference by at most 1.5x what the checkpoint reader's bf16 roundings do, in logits
@@ -548,8 +547,8 @@ def markdown(r: dict) -> str:
     if "output_tok_s" in hf and same:
         lowbit = "; ".join(f"{fmt} {w['output_tok_s']} tok/s (**{w['ratio_vs_hf']}x**)" for fmt, w in same)
         lines.append(f"HF transformers {hf['transformers']} `generate`, same dummy bf16 model, batch {hf['batch']}, "
-                     f"{hf['isl']}/{hf['osl']}: {hf['output_tok_s']} tok/s. lowbit on the same workload (each format quantized "
-                     f"from the same seeded float weights): {lowbit}.\n")
+                     f"{hf['isl']}/{hf['osl']}: {hf['output_tok_s']} tok/s. lowbit on the same workload (each format "
+                     f"quantized from the same seeded float weights): {lowbit}.\n")
     failed = [k for k, v in r.items() if isinstance(v, dict) and ("error" in v or "skipped" in v)]
     if failed:
         lines.append(f"Not measured: {', '.join(failed)} (see the JSON).\n")

@@ -257,3 +257,18 @@ def test_static_int8_reference_is_fp32_math_on_the_codes():
     assert ((out.double() - exact).norm() / exact.norm()).item() < 1e-6
     reader = linear_ref(x, p, None, torch.float32)
     assert 0 < ((reader - out).norm() / out.norm()).item() < 1e-2
+
+
+def test_markdown_gives_every_format_its_ratio_to_hf():
+    """serve_bench's report: each format that ran HF's batch-64 workload gets its tok/s and its ratio to HF's."""
+    bench = load_bench()
+    serve = dict(weight_gib=1.0, kv_tokens=16, batch1=dict(decode_tok_s=1, ttft_ms=1, itl_ms_median=1),
+                 max_load=dict(output_tok_s=1, requests=1, isl=1, osl=1))
+    r = {"date": "d", "gpu": "g", "torch": "t", "model": "m", "command": "c",
+         "hf": {"transformers": "5", "batch": 64, "isl": 128, "osl": 128, "output_tok_s": 700.0},
+         "serve_bf16": dict(serve, format="bf16", hf_workload={"output_tok_s": 9100.0, "ratio_vs_hf": 13.0}),
+         "serve_fp8": dict(serve, format="fp8", hf_workload={"output_tok_s": 11200.0, "ratio_vs_hf": 16.0}),
+         "serve_nvfp4": dict(serve, format="nvfp4")}  # no HF workload: not listed
+    line = [s for s in bench.markdown(r).splitlines() if s.startswith("HF transformers")]
+    assert len(line) == 1 and "bf16 9100.0 tok/s (**13.0x**)" in line[0] and "fp8 11200.0 tok/s (**16.0x**)" in line[0]
+    assert "nvfp4" not in line[0]

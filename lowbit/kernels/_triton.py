@@ -115,6 +115,21 @@ def helper(fn):
 
 
 @helper
+def split2(t):
+    """[..., 2k] -> the even and the odd elements of the last axis ([..., k] each)."""
+    return tl.split(tl.reshape(t, t.shape[:-1] + (t.shape[-1] // 2, 2)))
+
+
+@helper
+def split4(t):
+    """[..., 4] -> 4 tensors [...] (element i of the last axis)."""
+    a, b = split2(t)  # a: i = 0, 2; b: i = 1, 3
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    return t0, t1, t2, t3
+
+
+@helper
 def wait_for_producers(PDL: tl.constexpr):
     """Under PDL: wait until the kernels before this one in the stream have finished and their writes are visible
     (they waited in turn), then let the next kernel launch if it is launched early."""

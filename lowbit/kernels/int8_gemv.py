@@ -11,9 +11,8 @@ dp4a is emulated with shifts (bytes sign-extended) and int32 math.
 """
 import torch
 
-from lowbit.kernels._triton import (cdiv, early_kernel, helper, interpreting, load_streamed, next_pow2, tl, use_triton,
-                                    wait_for_producers)
-from lowbit.kernels.w4_mma import _split4
+from lowbit.kernels._triton import (cdiv, early_kernel, helper, interpreting, load_streamed, next_pow2, split4, tl,
+                                    use_triton, wait_for_producers)
 
 MAX_M = 16
 # (BLOCK_N, BLOCK_K in bytes, num_warps) by x rows: BLOCK_K / 16 chunks, one per thread. H200 (`python3
@@ -65,8 +64,8 @@ def _word_dot(a, b):
 @helper
 def _dp4a_chunk(w, x, acc, EMULATE: tl.constexpr):
     """acc + the dot product of 16-byte chunks w and x ([..., 4] int32 words, the same shape) as int32."""
-    w0, w1, w2, w3 = _split4(w)
-    x0, x1, x2, x3 = _split4(x)
+    w0, w1, w2, w3 = split4(w)
+    x0, x1, x2, x3 = split4(x)
     if EMULATE:
         out = acc + _word_dot(w0, x0) + _word_dot(w1, x1) + _word_dot(w2, x2) + _word_dot(w3, x3)
     else:

@@ -29,8 +29,8 @@ GEMV (removed; docs/kernels_notes.md, benchmarks.md run 16).
 """
 import torch
 
-from lowbit.kernels._triton import (cdiv, early_kernel, helper, interpreting, load_streamed, tl, use_triton,
-                                    wait_for_producers)
+from lowbit.kernels._triton import (cdiv, early_kernel, helper, interpreting, load_streamed, split4, tl,
+                                    use_triton, wait_for_producers)
 
 GEMV_MAX_M = 2  # w4a16_gemm dispatches M <= this to the GEMV (after w4a16.MMA_ROWS). M = 2, per token (H200, run 41):
 # INT4 2.26 ms against w4_small_m's 2.88, NVFP4 2.51 against the tensor-core kernel's 4.28
@@ -63,15 +63,6 @@ def w4_gemv(x, w, bias=None, config=None):
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=KP % block_k == 0, MASK_X=K % block_k != 0,
         M2=M == 2, USE_ASM=not interpreting(), num_warps=warps)
     return out
-
-
-@helper
-def _split4(t):
-    """[C, BN, 4] -> 4 tensors [C, BN] (element i of the last axis)."""
-    a, b = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], 2, 2)))  # a: i = 0, 2; b: i = 1, 3
-    t0, t2 = tl.split(a)
-    t1, t3 = tl.split(b)
-    return t0, t1, t2, t3
 
 
 @helper
@@ -235,7 +226,7 @@ def _step(acc, acc2, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4:
     blocks, INT4 groups of 16); acc2 the same for x's second row (M2: x [2, K]), from the same dequantized weights.
     INT4 chains start at -offset (the 256 / 16 added to the nibbles and the 8 of q = u - 8, summed over x once per
     chunk for all rows)."""
-    w0, w1, w2, w3 = _split4(words)
+    w0, w1, w2, w3 = split4(words)
     kx = k0 + 32 * cc[:, None] + tl.arange(0, 8)[None, :]  # [C, 8]: x of word 0 of each chunk
     xa = _x_word(x_ptr, smooth_ptr, kx, K, HAS_SMOOTH, MASK_X)  # 8 tensors [C] each
     xb = _x_word(x_ptr, smooth_ptr, kx + 8, K, HAS_SMOOTH, MASK_X)

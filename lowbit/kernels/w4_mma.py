@@ -26,7 +26,8 @@ Under the interpreter (no PTX) the dequantization and the warp-wide mma are emul
 """
 import torch
 
-from lowbit.kernels._triton import cdiv, helper, interpreting, kernel, tl, use_triton, wait_for_producers
+from lowbit.kernels._triton import cdiv, helper, interpreting, kernel, split2, split4, tl, use_triton, \
+    wait_for_producers
 from lowbit.kernels.w4_gemv import fp4_pair_bits, smoothed
 
 MAX_M = 16  # two tiles of the mma's N = 8 (rows 9-16 take a second mma per A fragment)
@@ -68,26 +69,11 @@ def w4_mma(x, w, bias=None, config=None):
 
 
 @helper
-def _split2(t):
-    """[..., 2k] -> the even and the odd elements of the last axis ([..., k] each)."""
-    return tl.split(tl.reshape(t, t.shape[:-1] + (t.shape[-1] // 2, 2)))
-
-
-@helper
-def _split4(t):
-    """[..., 4] -> 4 tensors [...] (element i of the last axis)."""
-    a, b = _split2(t)  # a: i = 0, 2; b: i = 1, 3
-    t0, t2 = tl.split(a)
-    t1, t3 = tl.split(b)
-    return t0, t1, t2, t3
-
-
-@helper
 def _split8(t):
     """[..., 8] -> 8 tensors [...] (element s of the last axis)."""
-    e, o = _split2(t)  # s even / odd
-    x0, x2, x4, x6 = _split4(e)
-    x1, x3, x5, x7 = _split4(o)
+    e, o = split2(t)  # s even / odd
+    x0, x2, x4, x6 = split4(e)
+    x1, x3, x5, x7 = split4(o)
     return x0, x1, x2, x3, x4, x5, x6, x7
 
 
@@ -264,8 +250,8 @@ def _block(w0, w8, s0, s8, x_ptr, smooth_ptr, kx, xrow, M, K, magic, IS_FP4: tl.
     registers, a second B). INT4: the group scale multiplies D; NVFP4: the block scales are in A."""
     z = tl.zeros(w0.shape[:3], tl.float32)
     d0, d1, d2, d3, d4, d5, d6, d7 = z, z, z, z, z, z, z, z
-    g0 = _split4(w0)
-    g8 = _split4(w8)
+    g0 = split4(w0)
+    g8 = split4(w8)
     for q in tl.static_range(4):  # word q of the lane: k = kx + 8q .. + 7
         kq = kx[:, :, None] + 8 * q + tl.arange(0, 8)[None, None, :]
         b0, b1, b2, b3 = _x_pairs(x_ptr, smooth_ptr, kq, xrow, M, K, BF16, HAS_SMOOTH, MASK_X)
