@@ -1,5 +1,5 @@
 """INT8 W8A8 at small M by dp4a (lowbit.kernels.int8_gemv) on CPU under the Triton interpreter, against the torch
-reference scaled_gemm_ref: x rows 1-16, per-tensor and per-row weight scales, per-tensor and per-token x scales,
+reference scaled_gemm_ref: x rows 1-8, per-tensor and per-row weight scales, per-tensor and per-token x scales,
 bias, K ragged (masked words), N not a multiple of BLOCK_N, the extreme int8 values (sign extension). The
 interpreter emulates dp4a with shifts (the GPU runs inline PTX; bench/int8_gemv_bench.py checks that path against
 the same reference)."""
@@ -26,7 +26,8 @@ def rel_err(out, ref):
 @pytest.mark.parametrize("m,k,n,config,sa_rows,sb_rows,bias", [
     (1, 2048, 16, (8, 512, 1), False, True, False),  # four steps, per-row weight scales (SmoothQuant's)
     (3, 1040, 18, (8, 512, 1), True, True, True),  # ragged K (65 chunks in steps of 32), N past the tile, per-token
-    (16, 4096, 8, (4, 1024, 2), False, False, True),  # MAX_M rows, 2 warps
+    (8, 4096, 8, (4, 1024, 2), False, False, True),  # MAX_M rows, 2 warps
+    (6, 2048, 24, (8, 1024, 2), True, True, False),  # rows 6, 7 of an 8-row program masked
     (5, 100, 9, None, False, True, False),  # choose_config, K under one chunk per thread
 ])
 def test_int8_gemv_matches_reference(m, k, n, config, sa_rows, sb_rows, bias):
@@ -54,13 +55,13 @@ def test_extreme_values_sign_extended():
 
 
 def test_choose_config_covers_every_m():
-    assert int8_gemv.choose_config(1) == int8_gemv.CONFIGS[4] and int8_gemv.choose_config(5) == int8_gemv.CONFIGS[16]
+    assert int8_gemv.choose_config(1) == int8_gemv.CONFIGS[4] and int8_gemv.choose_config(5) == int8_gemv.CONFIGS[8]
     assert all(int8_gemv.choose_config(m) in int8_gemv.CONFIGS.values() for m in range(1, int8_gemv.MAX_M + 1))
 
 
 def test_supports():
-    q, w, one = torch.zeros(16, 64, dtype=torch.int8), torch.zeros(8, 64, dtype=torch.int8), torch.tensor(1.0)
-    assert int8_gemv.supports(q, w, one) and int8_gemv.supports(q, w, torch.ones(16, 1))
-    assert not int8_gemv.supports(torch.zeros(17, 64, dtype=torch.int8), w, one)
+    q, w, one = torch.zeros(8, 64, dtype=torch.int8), torch.zeros(8, 64, dtype=torch.int8), torch.tensor(1.0)
+    assert int8_gemv.supports(q, w, one) and int8_gemv.supports(q, w, torch.ones(8, 1))
+    assert not int8_gemv.supports(torch.zeros(9, 64, dtype=torch.int8), w, one)
     assert not int8_gemv.supports(torch.zeros(2, 62, dtype=torch.int8), torch.zeros(8, 62, dtype=torch.int8), one)
     assert not int8_gemv.supports(q.view(torch.float8_e4m3fn), w.view(torch.float8_e4m3fn), one)

@@ -1,4 +1,4 @@
-"""INT8 W8A8 (SmoothQuant) at small M (decode): y = (q @ W^T) * scale_a * scale_b (+ bias), as scaled_gemm_ref, on
+"""INT8 W8A8 (SmoothQuant) at 1-8 x rows (decode): y = (q @ W^T) * scale_a * scale_b (+ bias), as scaled_gemm_ref, on
 CUDA cores with `dp4a` (four int8 products summed into an int32 per instruction: a quarter of an instruction per
 weight, no conversion). q [M, K] and W [N, K] int8, K-contiguous; scale_a fp32 [] or [M, 1], scale_b fp32 [] or [N].
 
@@ -14,12 +14,12 @@ import torch
 from lowbit.kernels._triton import (cdiv, early_kernel, helper, interpreting, load_streamed, next_pow2, split4, tl,
                                     use_triton, wait_for_producers)
 
-MAX_M = 16
+MAX_M = 8  # one int32 accumulator per x row
 # (BLOCK_N, BLOCK_K in bytes, num_warps) by x rows: BLOCK_K / 16 chunks, one per thread. H200 (`python3
 # bench/int8_gemv_bench.py --configs "8,2048,4;4,2048,4"`, benchmarks.md run 48 call 6), ms per token of the four
 # Llama-3.1-8B linears x 32 layers, (4, 2048, 4) / (8, 2048, 4) / (2, 2048, 4): M = 1 2.02 / 2.12 / -, M = 2 2.44 /
 # 2.52 / -, M = 4 2.96 / 2.95 / -, M = 8 6.24 / 4.71 / 9.71, M = 16 11.50 / 9.29 / 18.37 (the int8 GEMM 6.58 there)
-CONFIGS = {4: (4, 2048, 4), 16: (8, 2048, 4)}
+CONFIGS = {4: (4, 2048, 4), 8: (8, 2048, 4)}
 
 
 def choose_config(M: int) -> tuple:
@@ -76,21 +76,46 @@ def _dp4a_chunk(w, x, acc, EMULATE: tl.constexpr):
     return out
 
 
+@helper
+def _x_chunks(x_ptr, r: tl.constexpr, M, KW, k0, kk):
+    """x row r's chunks of the step at word k0, [C, 1, 4] (0 for r >= M and past K; the row test as a bound, not a
+    scalar mask, which the interpreter rejects)."""
+    words_left = tl.where(r < M, KW - k0, 0)
+    return tl.load(x_ptr + tl.minimum(r, M - 1).to(tl.int64) * KW + k0 + kk, mask=kk < words_left, other=0)
+
+
+@helper
+def _row_step(w, x_ptr, r: tl.constexpr, M, KW, k0, kk, acc, EMULATE: tl.constexpr):
+    """acc [C, BN] + x row r's step against the weights w [C, BN, 4]."""
+    return _dp4a_chunk(w, tl.broadcast_to(_x_chunks(x_ptr, r, M, KW, k0, kk), w.shape), acc, EMULATE)
+
+
+@helper
+def _store_row(acc, r: tl.constexpr, offs_n, n_rows, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N,
+               SA_PER_ROW: tl.constexpr, SB_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """x row r's sums acc [C, BN], scaled (+ bias) -> out[r, offs_n] (rows past M and N not stored)."""
+    out = tl.sum(acc, axis=0).to(tl.float32)  # [BN]
+    out *= tl.load(sa_ptr + tl.minimum(r, M - 1)) if SA_PER_ROW else tl.load(sa_ptr)
+    out *= tl.load(sb_ptr + n_rows) if SB_PER_ROW else tl.load(sb_ptr)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + n_rows).to(tl.float32)
+    tl.store(out_ptr + r * N + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < tl.where(r < M, N, 0))
+
+
 @early_kernel
 def _int8_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, KW, SA_PER_ROW: tl.constexpr,
                       SB_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_KW: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
-    """out[m, n] for m < M and BLOCK_N rows n (clamped for the loads, masked at the store), KW = K / 4 words per
-    row. EVEN_K: BLOCK_KW | KW."""
+    """out[m, n] for m < M (<= M_PAD <= 8) and BLOCK_N rows n (clamped for the loads, masked at the store), KW = K / 4
+    words per row. EVEN_K: BLOCK_KW | KW. One int32 accumulator per x row, so each row's chunk is broadcast over the
+    weight rows in registers."""
     C: tl.constexpr = BLOCK_KW // 4  # 16-byte chunks per row and step
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     kk = (4 * tl.arange(0, C))[:, None, None] + tl.arange(0, 4)[None, None, :]  # [C, 1, 4]: word of each element
     w_ptrs = w_ptr + n_rows[None, :, None] * KW + kk  # [C, BN, 4]
-    mm = tl.arange(0, M_PAD)
-    x_ptrs = x_ptr + tl.minimum(mm, M - 1).to(tl.int64)[:, None, None, None] * KW + kk[None]  # [M_PAD, C, 1, 4]
-    x_ok = (mm < M)[:, None, None, None]
-    acc = tl.zeros((M_PAD, C, BLOCK_N), dtype=tl.int32)
+    acc0 = tl.zeros((C, BLOCK_N), dtype=tl.int32)
+    acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
     n_steps = tl.cdiv(KW, BLOCK_KW)
     w = load_streamed(w_ptrs, kk < KW, not EVEN_K)
     wait_for_producers(PDL)
@@ -98,14 +123,26 @@ def _int8_gemv_kernel(x_ptr, w_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, KW,
         k0 = kb * BLOCK_KW
         k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_KW  # the last step reloads itself
         w_next = load_streamed(w_ptrs + k_next, k_next + kk < KW, not EVEN_K)
-        xs = tl.load(x_ptrs + k0, mask=x_ok if EVEN_K else x_ok & (k0 + kk[None] < KW), other=0)
-        shape: tl.constexpr = (M_PAD, C, BLOCK_N, 4)
-        acc = _dp4a_chunk(tl.broadcast_to(w[None], shape), tl.broadcast_to(xs, shape), acc, EMULATE)
+        acc0 = _row_step(w, x_ptr, 0, M, KW, k0, kk, acc0, EMULATE)
+        if M_PAD > 1:
+            acc1 = _row_step(w, x_ptr, 1, M, KW, k0, kk, acc1, EMULATE)
+        if M_PAD > 2:
+            acc2 = _row_step(w, x_ptr, 2, M, KW, k0, kk, acc2, EMULATE)
+            acc3 = _row_step(w, x_ptr, 3, M, KW, k0, kk, acc3, EMULATE)
+        if M_PAD > 4:
+            acc4 = _row_step(w, x_ptr, 4, M, KW, k0, kk, acc4, EMULATE)
+            acc5 = _row_step(w, x_ptr, 5, M, KW, k0, kk, acc5, EMULATE)
+            acc6 = _row_step(w, x_ptr, 6, M, KW, k0, kk, acc6, EMULATE)
+            acc7 = _row_step(w, x_ptr, 7, M, KW, k0, kk, acc7, EMULATE)
         w = w_next
-    out = tl.sum(acc, axis=1).to(tl.float32)  # [M_PAD, BN]
-    out *= tl.load(sa_ptr + tl.minimum(mm, M - 1))[:, None] if SA_PER_ROW else tl.load(sa_ptr)
-    out *= tl.load(sb_ptr + n_rows)[None, :] if SB_PER_ROW else tl.load(sb_ptr)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + n_rows)[None, :].to(tl.float32)
-    tl.store(out_ptr + mm[:, None].to(tl.int64) * N + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(mm < M)[:, None] & (offs_n < N)[None, :])
+    _store_row(acc0, 0, offs_n, n_rows, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, SA_PER_ROW, SB_PER_ROW, HAS_BIAS)
+    if M_PAD > 1:
+        _store_row(acc1, 1, offs_n, n_rows, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, SA_PER_ROW, SB_PER_ROW, HAS_BIAS)
+    if M_PAD > 2:
+        _store_row(acc2, 2, offs_n, n_rows, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, SA_PER_ROW, SB_PER_ROW, HAS_BIAS)
+        _store_row(acc3, 3, offs_n, n_rows, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, SA_PER_ROW, SB_PER_ROW, HAS_BIAS)
+    if M_PAD > 4:
+        _store_row(acc4, 4, offs_n, n_rows, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, SA_PER_ROW, SB_PER_ROW, HAS_BIAS)
+        _store_row(acc5, 5, offs_n, n_rows, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, SA_PER_ROW, SB_PER_ROW, HAS_BIAS)
+        _store_row(acc6, 6, offs_n, n_rows, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, SA_PER_ROW, SB_PER_ROW, HAS_BIAS)
+        _store_row(acc7, 7, offs_n, n_rows, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, SA_PER_ROW, SB_PER_ROW, HAS_BIAS)
