@@ -19,7 +19,7 @@
 #   bash bench/h200_session.sh mid      # W4 at M = 16-512: checks, route vs dequant vs bf16, sweeps, engine check
 #   bash bench/h200_session.sh ncutc    # Nsight Compute of the W4 tensor-core kernel at 32 / 64 rows; lowbit bench kernels
 #   bash bench/h200_session.sh prefetch # that kernel with its scales loaded a K tile ahead (PREFETCH_SCALES) or not
-#   bash bench/h200_session.sh int8     # INT8 (SmoothQuant) at M = 1-16 by dp4a: checks, times; w8a8_sq batch-1 A / B
+#   bash bench/h200_session.sh int8     # INT8 (SmoothQuant) at M = 1-8 by dp4a: checks, times; w8a8_sq batch-1 A / B
 #   bash bench/h200_session.sh midserve # int4_awq / nvfp4 decode at batch 32 / 64, served at 64: this tree vs REF
 # Each part has its own time limit, so a slow part cannot starve the ones after it; JSON and markdown go to $OUT
 # (the device tool's output folder) or ./out. Run from the repository root.
@@ -237,7 +237,7 @@ sys.exit(load_script('w4_mid_m_bench.py').main('--m 16,32,64,128 --json $OUT/mid
         | cut -c1-300
     ;;
 int8)
-    part "INT8 at M = 1-16 by dp4a (int8_gemv) against the tensor-core int8 GEMM and cuBLAS bf16, checked first"
+    part "INT8 at M = 1-8 by dp4a (int8_gemv) against the tensor-core int8 GEMM and cuBLAS bf16, checked first"
     timeout 180 python3 bench/int8_gemv_bench.py --configs "8,2048,4;4,2048,4" --reps 10 --json "$OUT/int8.json" \
         2>&1 | grep -E 'FAIL|^#|^\||failed'
     for rows in 0 8; do

@@ -158,7 +158,7 @@ def w4_mma_job(kind: str, block_n: int, block_k: int, warps: int) -> dict:
 
 
 def int8_gemv_job(rows: str, block_n: int, block_k: int, warps: int) -> dict:
-    """INT8 by dp4a for M_PAD x rows ("m1" .. "m16"), a per-tensor x scale and per-row weight scales (SmoothQuant's),
+    """INT8 by dp4a for M_PAD x rows ("m1" .. "m8"), a per-tensor x scale and per-row weight scales (SmoothQuant's),
     K a multiple of BLOCK_K, no bias."""
     types = dict(x_ptr="*i32", w_ptr="*i32", sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
                  M="i32", N="i32", KW="i32")
@@ -169,7 +169,7 @@ def int8_gemv_job(rows: str, block_n: int, block_k: int, warps: int) -> dict:
 
 GEMV_JOBS = {"w4_gemv": (("int4", "nvfp4"), w4_gemv_job), "dense_gemv": (("bf16", "fp8"), dense_gemv_job),
              "w4_mma": (("bf16", "fp16", "nvfp4", "bf16x2", "fp16x2", "nvfp4x2"), w4_mma_job),
-             "int8_gemv": (("m1", "m2", "m4", "m8", "m16"), int8_gemv_job)}
+             "int8_gemv": (("m1", "m2", "m4", "m8"), int8_gemv_job)}
 
 
 def main(argv=None) -> int:

@@ -41,7 +41,7 @@ def test_triton_attention_backend_matches_torch_backend_on_cpu(fmt):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4_awq", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4_awq", "nvfp4", "w8a8_sq"])
 def test_kernels_and_graphs_match_reference_path_on_gpu(fmt):
     bench = load_bench()
     res = bench.check_format(bench.parse(["--check-layers", "2"]), fmt)

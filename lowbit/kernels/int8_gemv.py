@@ -16,10 +16,10 @@ from lowbit.kernels._triton import (cdiv, early_kernel, helper, interpreting, lo
 
 MAX_M = 8  # one int32 accumulator per x row
 # (BLOCK_N, BLOCK_K in bytes, num_warps) by x rows: BLOCK_K / 16 chunks, one per thread. H200 (`python3
-# bench/int8_gemv_bench.py --configs "8,2048,4;4,2048,4"`, benchmarks.md run 48 call 6), ms per token of the four
-# Llama-3.1-8B linears x 32 layers, (4, 2048, 4) / (8, 2048, 4) / (2, 2048, 4): M = 1 2.02 / 2.12 / -, M = 2 2.44 /
-# 2.52 / -, M = 4 2.96 / 2.95 / -, M = 8 6.24 / 4.71 / 9.71, M = 16 11.50 / 9.29 / 18.37 (the int8 GEMM 6.58 there)
-CONFIGS = {4: (4, 2048, 4), 8: (8, 2048, 4)}
+# bench/int8_gemv_bench.py --m 1,2,4,8 --configs "8,2048,4;4,2048,4"`, benchmarks.md run 49 call 3), ms per token
+# of the four Llama-3.1-8B linears x 32 layers, (4, 2048, 4) / (8, 2048, 4): M = 1 2.05 / 2.12, M = 2 2.21 / 2.32,
+# M = 4 2.96 / 2.88, M = 8 4.32 / 4.48 (the kernel with [M_PAD, C, BLOCK_N] sums before: 2.03, 2.39, 2.92, 4.68)
+CONFIGS = {8: (4, 2048, 4)}
 
 
 def choose_config(M: int) -> tuple:
