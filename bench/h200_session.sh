@@ -6,6 +6,7 @@
 #   bash bench/h200_session.sh trt      # FP8 2048/128 and 1000/1000 with TRT-LLM's request counts (3000 each)
 #   bash bench/h200_session.sh prefill  # prefill tiles inside whole steps (mixed and prefill), SM clock and power
 #   bash bench/h200_session.sh ncu      # Nsight Compute reports of FP8 / bf16 decode attention, INT4 GEMV, fp8_small_m
+#   bash bench/h200_session.sh ncugemv  # Nsight Compute of the W4, INT8 and bf16 one-row GEMVs on the up projection
 #   bash bench/h200_session.sh tiles    # FP8 decode and prefill tile candidates for the V-transposed cache
 #   bash bench/h200_session.sh w4       # W4A16 at M = 2-16: checks, sweep, times; int4_awq / nvfp4 decode steps
 #   bash bench/h200_session.sh compiles # 768 x 1000/1000: slow steps and the Triton kernels first built mid-run
@@ -158,6 +159,23 @@ ncu)
         grep -E "^ +(Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|No Eligible) " "$OUT/$name.txt"
     done
     ;;
+ncugemv)
+    part "Nsight Compute of the one-row GEMVs on the up projection: W4 (INT4, NVFP4) against INT8 and bf16"
+    for t in "gemv_int4 _w4_gemv_kernel w4 --fmt int4" "gemv_nvfp4 _w4_gemv_kernel w4 --fmt nvfp4" \
+             "gemv_int8 _int8_gemv_kernel int8" "gemv_bf16 _dense_gemv_kernel bf16"; do
+        set -- $t
+        name=$1 kern=$2
+        shift 2
+        timeout 100 ncu --clock-control none --set full -k "regex:$kern" -s 1 -c 1 -f -o "$OUT/$name" \
+            python3 bench/ncu_targets.py "$@" > /dev/null 2>&1
+        ncu --import "$OUT/$name.ncu-rep" --page details > "$OUT/$name.txt" 2>&1
+        echo "-- $name"
+        grep -E "^ +(Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit Rate|L2 Hit Rate|Mem Busy|Max Bandwidth|\
+L2 Compression|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|No Eligible|Issued Warp Per Scheduler|\
+Active Warps Per Scheduler|Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction|Block Limit) " \
+            "$OUT/$name.txt"
+    done
+    ;;
 w4big)
     part "W4 at M = 64-4096: dequantize + cuBLAS (w4_dequant) vs the tensor-core kernel vs cuBLAS bf16, checked first"
     timeout 300 python3 bench/w4_large_m_bench.py --json "$OUT/w4_large_m.json" 2>&1 | grep -E 'FAIL|^#|^\||failed'
@@ -273,7 +291,7 @@ itl)
     timeout 300 python3 bench/batch1_itl.py --formats bf16,int4_awq,nvfp4,fp8 2>&1 | grep '"format"'
     ;;
 *)
-    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl|w4big|mma|mid|ncutc|prefetch|int8|midserve" >&2
+    echo "usage: bash bench/h200_session.sh check|serve|formats|trt|prefill|ncu|tiles|w4|compiles|pdl|splits|dense|m2|itl|w4big|mma|mid|ncutc|prefetch|int8|midserve|ncugemv" >&2
     exit 2
     ;;
 esac
