@@ -29,6 +29,16 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 part() { echo "== $(date -u +%H:%M:%S) $1"; }
+# ncu_report NAME KERNEL_REGEX TARGET_ARGS...: Nsight Compute (full set, clocks as they run) of one launch of
+# bench/ncu_targets.py TARGET_ARGS; the report and its details page as text go to $OUT/NAME.ncu-rep / .txt
+ncu_report() {
+    local name=$1 kern=$2
+    shift 2
+    timeout 150 ncu --clock-control none --set full -k "regex:$kern" -s 1 -c 1 -f -o "$OUT/$name" \
+        python3 bench/ncu_targets.py "$@" > /dev/null 2>&1
+    ncu --import "$OUT/$name.ncu-rep" --page details > "$OUT/$name.txt" 2>&1
+    echo "-- $name"
+}
 
 case "${1:-}" in
 check)
@@ -149,31 +159,20 @@ ncu)
     part "Nsight Compute (full set, clocks as they run) of one launch of each kernel; reports and text in \$OUT"
     for t in "decode_fp8 _decode_kernel decode --kv fp8" "decode_bf16 _decode_kernel decode --kv bf16" \
              "w4_int4 _w4_gemv_kernel w4 --fmt int4" "fp8_small_m _fp8_small_m_kernel fp8"; do
-        set -- $t
-        name=$1 kern=$2
-        shift 2
-        timeout 150 ncu --clock-control none --set full -k "regex:$kern" -s 1 -c 1 -f -o "$OUT/$name" \
-            python3 bench/ncu_targets.py "$@" > /dev/null 2>&1
-        ncu --import "$OUT/$name.ncu-rep" --page details > "$OUT/$name.txt" 2>&1
-        echo "-- $name"
-        grep -E "^ +(Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|No Eligible) " "$OUT/$name.txt"
+        ncu_report $t
+        grep -E "^ +(Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|No Eligible) " "$OUT/${t%% *}.txt"
     done
     ;;
 ncugemv)
     part "Nsight Compute of the one-row GEMVs on the up projection: W4 (INT4, NVFP4) against INT8 and bf16"
     for t in "gemv_int4 _w4_gemv_kernel w4 --fmt int4" "gemv_nvfp4 _w4_gemv_kernel w4 --fmt nvfp4" \
              "gemv_int8 _int8_gemv_kernel int8" "gemv_bf16 _dense_gemv_kernel bf16"; do
-        set -- $t
-        name=$1 kern=$2
-        shift 2
-        timeout 100 ncu --clock-control none --set full -k "regex:$kern" -s 1 -c 1 -f -o "$OUT/$name" \
-            python3 bench/ncu_targets.py "$@" > /dev/null 2>&1
-        ncu --import "$OUT/$name.ncu-rep" --page details > "$OUT/$name.txt" 2>&1
-        echo "-- $name"
-        grep -E "^ +(Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit Rate|L2 Hit Rate|Mem Busy|Max Bandwidth|\
-L2 Compression|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|No Eligible|Issued Warp Per Scheduler|\
-Active Warps Per Scheduler|Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction|Block Limit) " \
-            "$OUT/$name.txt"
+        ncu_report $t
+        grep -E "^ +(Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit Rate|L2 Hit Rate|Registers Per Thread|\
+Achieved Occupancy|Theoretical Occupancy|No Eligible|Issued Warp Per Scheduler|Active Warps Per Scheduler|\
+Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction|SM Active Cycles|Elapsed Cycles|Waves Per SM) " \
+            "$OUT/${t%% *}.txt"
+        grep -E "highest-utilized pipeline" "$OUT/${t%% *}.txt"
     done
     ;;
 w4big)
