@@ -15,16 +15,11 @@ from lowbit.kernels._triton import (cdiv, early_kernel, helper, interpreting, lo
                                     use_triton, wait_for_producers)
 
 MAX_M = 8  # one int32 accumulator per x row
-# (BLOCK_N, BLOCK_K in bytes, num_warps) by x rows: BLOCK_K / 16 chunks, one per thread. H200 (`python3
-# bench/int8_gemv_bench.py --m 1,2,4,8 --configs "8,2048,4;4,2048,4"`, benchmarks.md run 49 call 3), ms per token
+# (BLOCK_N, BLOCK_K in bytes, num_warps) at every M: BLOCK_K / 16 chunks, one per thread. H200 (`python3
+# bench/int8_gemv_bench.py --m 1,2,4,8 --configs "8,2048,4;4,2048,4"`, benchmarks.md run 49 call 2), ms per token
 # of the four Llama-3.1-8B linears x 32 layers, (4, 2048, 4) / (8, 2048, 4): M = 1 2.05 / 2.12, M = 2 2.21 / 2.32,
 # M = 4 2.96 / 2.88, M = 8 4.32 / 4.48 (the kernel with [M_PAD, C, BLOCK_N] sums before: 2.03, 2.39, 2.92, 4.68)
-CONFIGS = {8: (4, 2048, 4)}
-
-
-def choose_config(M: int) -> tuple:
-    """CONFIGS' entry for the fewest rows that hold M."""
-    return CONFIGS[min(r for r in CONFIGS if r >= M)]
+CONFIG = (4, 2048, 4)
 
 
 def supports(q: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor) -> bool:
@@ -36,11 +31,11 @@ def supports(q: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor) -> bool:
 
 def int8_gemv(q, w, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, config=None):
     """q [M, K] int8 (x ~= q * scale_a), w [N, K] int8 -> [M, N] out_dtype (scales and bias as the module says).
-    config (BLOCK_N, BLOCK_K bytes, num_warps), default choose_config(M); BLOCK_K a multiple of 16 x 32 x num_warps."""
+    config (BLOCK_N, BLOCK_K bytes, num_warps), default CONFIG; BLOCK_K a multiple of 16 x 32 x num_warps."""
     assert use_triton(q) and supports(q, w, scale_a), (q.shape, q.dtype, w.shape, w.dtype, scale_a.shape)
     M, K = q.shape
     N = w.shape[0]
-    block_n, block_k, warps = config or choose_config(M)
+    block_n, block_k, warps = config or CONFIG
     assert block_k % (16 * 32 * warps) == 0, (block_k, warps)
     sa, sb = scale_a.float().reshape(-1).contiguous(), scale_b.float().reshape(-1).contiguous()
     out = torch.empty(M, N, dtype=out_dtype, device=q.device)

@@ -58,7 +58,7 @@ FP8_GEMV_MAX_WEIGHTS = 4096 * 6144
 FP8_GEMV_CONFIG = (8, 1024, 2)  # (BLOCK_N, BLOCK_K, num_warps)
 # INT8 (SmoothQuant) layers at up to INT8_GEMV_MAX_M x rows run int8_gemv (dp4a on CUDA cores) instead of the
 # tensor-core int8 GEMM. H200, ms per token of the four Llama-3.1-8B linears x 32 layers (benchmarks.md run 49
-# call 3): M = 1 2.05 against 7.83 (cuBLAS bf16 3.96), M = 4 2.96 against 7.28, M = 8 4.32 against 7.10; at M = 16
+# call 2): M = 1 2.05 against 7.83 (cuBLAS bf16 3.96), M = 4 2.96 against 7.28, M = 8 4.32 against 7.10; at M = 16
 # the GEMM was faster than the kernel's earlier form (run 48: 6.58 against 9.29), which int8_gemv.MAX_M now excludes
 INT8_GEMV_MAX_M = 8
 
