@@ -135,3 +135,61 @@ def test_one_fp8_row_of_a_small_layer_runs_the_gemv(monkeypatch, m, n, k, scale_
     monkeypatch.setattr(w8a8, "tensor_core_linear", lambda *a: calls.append(("tensor_core", None)))
     w8a8.w8a8_linear_prequantized(q, w, torch.rand(n), sa, None, torch.bfloat16)
     assert calls == ([("gemv", w8a8.FP8_GEMV_CONFIG)] if routed else [("tensor_core", None)])
+
+
+def int8_inputs(m, k, n, per_token, bias, seed):
+    """SmoothQuant's operands: int8 x and weights, one x scale (or one per row), per-channel weight scales."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    sa = torch.rand(m, 1, generator=g) * 0.01 + 1e-3 if per_token else torch.tensor(0.01)
+    sb = torch.rand(n, generator=g) * 1e-3 + 1e-4
+    b = torch.randn(n, generator=g).half() if bias else None
+    return q, w, sa, sb, b
+
+
+@needs_interpreter
+@pytest.mark.parametrize("m,k,n,config,per_token,bias", [
+    (9, 512, 130, (64, 128, 0, 4, 2), False, False),  # one program per tile, ragged N
+    (16, 640, 72, (64, 128, 5, 4, 2), True, True),  # tiles split in K, finished by the last part
+    (32, 1000, 300, (64, 128, 7, 4, 2), False, True),  # M_PAD 32, ragged K, runs straddling tiles
+    (24, 384, 64, None, False, False),  # the default config
+])
+def test_int8_matches_reference(m, k, n, config, per_token, bias):
+    q, w, sa, sb, b = int8_inputs(m, k, n, per_token, bias, seed=m + k + n)
+    out = fsm.int8_small_m_gemm(q, w, sa, sb, b, torch.float16, config)
+    assert out.shape == (m, n) and out.dtype == torch.float16
+    assert rel_err(out, scaled_gemm_ref(q, w, sa, sb, b, torch.float16)) < TOL
+    assert counters_zero()
+
+
+@needs_interpreter
+def test_int8_fp16_dot_path_matches_the_int32_path():
+    q, w, sa, sb, b = int8_inputs(12, 512, 192, False, True, seed=5)
+    config = (64, 128, 5, 4, 2)
+    exact = fsm.int8_small_m_gemm(q, w, sa, sb, b, torch.float16, config)
+    assert torch.equal(exact, fsm.int8_small_m_gemm(q, w, sa, sb, b, torch.float16, config, dot_fp16=True))
+
+
+def test_small_m_gemms_refuse_the_other_dtype():
+    q, w, sa, sb, _ = int8_inputs(2, 64, 64, False, False, seed=6)
+    with pytest.raises(AssertionError):
+        fsm.fp8_small_m_gemm(q, w, sa, sb)
+    with pytest.raises(AssertionError):
+        fsm.int8_small_m_gemm(fp8(q.float()), fp8(w.float()), sa, sb)
+
+
+@pytest.mark.parametrize("m,route", [(1, "gemv"), (2, "gemv"), (3, "small_m"), (8, "small_m"), (32, "small_m"),
+                                     (33, "gemm")])
+def test_int8_rows_route(monkeypatch, m, route):
+    """w8a8_linear_prequantized on Hopper (GPU checks stubbed): int8_gemv up to INT8_GEMV_MAX_M rows, the small-M
+    GEMM's int8 form up to INT8_SMALL_M_MAX, the int8 GEMM above."""
+    q, w, sa, sb, _ = int8_inputs(m, 64, 48, False, False, seed=7)
+    calls = []
+    monkeypatch.setattr(w8a8, "on_gpu", lambda t: True)
+    monkeypatch.setattr(w8a8.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(w8a8.int8_gemv, "int8_gemv", lambda *a: calls.append("gemv"))
+    monkeypatch.setattr(w8a8, "int8_small_m_gemm", lambda *a: calls.append("small_m"))
+    monkeypatch.setattr(w8a8, "scaled_gemm", lambda *a: calls.append("gemm"))
+    w8a8.w8a8_linear_prequantized(q, w, sb, sa, None, torch.bfloat16)
+    assert calls == [route]

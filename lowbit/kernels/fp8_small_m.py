@@ -1,6 +1,7 @@
-"""FP8 GEMM for small M (decode): out[M, N] = (x_q @ w_q^T) * scale_a * scale_b (+ bias), one launch.
+"""FP8 (and INT8) GEMM for small M (decode): out[M, N] = (x_q @ w_q^T) * scale_a * scale_b (+ bias), one launch.
 
-x_q [M, K] and w_q [N, K] float8_e4m3fn, both K-contiguous (w is the layout torch._scaled_mm takes for prefill);
+x_q [M, K] and w_q [N, K] float8_e4m3fn (or both int8: int8_small_m_gemm, SmoothQuant's layers at 9-32 rows; int8
+wgmma, exact int32 sums per program, fp32 from there on), both K-contiguous (w is the layout torch._scaled_mm takes for prefill);
 scale_a fp32 [] (static per tensor) or [M, 1] (dynamic per token); scale_b fp32 [] or [N] / [N, 1] (per output row:
 merged q/k/v, gate/up, or per-channel checkpoints); bias [N] or None; fp32 accumulator; M <= 32.
 Accuracy: tl.dot's Hopper default for fp8 (max_num_imprecise_acc 2**30) lets wgmma accumulate all of K at its reduced
@@ -67,7 +68,8 @@ def _sum_partials(ws_ptr, offs_n, offs_m, M, N, parts, BLOCK_N: tl.constexpr, M_
 
 @helper
 def _tile_partial(x_ptr, w_ptr, M, N, K, tile, s_begin, s_end, EVEN_K: tl.constexpr, DOT_FP16: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, PROMOTE_K: tl.constexpr):
+                  IS_INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
+                  PROMOTE_K: tl.constexpr):
     """[BLOCK_N, M_PAD] fp32 = sum over K steps s_begin <= s < s_end of W[tile rows, step s] @ x^T[step s]."""
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
@@ -78,7 +80,7 @@ def _tile_partial(x_ptr, w_ptr, M, N, K, tile, s_begin, s_end, EVEN_K: tl.conste
     k0 = s_begin * BLOCK_K
     w_ptrs = w_ptr + w_rows[:, None] * K + (k0 + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
     x_ptrs = x_ptr + x_rows[None, :] * K + (k0 + offs_k)[:, None]  # [BLOCK_K, M_PAD] = x^T tile
-    acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.int32 if IS_INT8 and not DOT_FP16 else tl.float32)
     for step in range(s_begin, s_end):
         if EVEN_K:
             w = tl.load(w_ptrs)
@@ -87,13 +89,15 @@ def _tile_partial(x_ptr, w_ptr, M, N, K, tile, s_begin, s_end, EVEN_K: tl.conste
             k_left = K - step * BLOCK_K
             w = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             xt = tl.load(x_ptrs, mask=m_ok[None, :] & (offs_k[:, None] < k_left), other=0.0)
-        if DOT_FP16:  # interpreter tests of the same code path; fp8 -> fp16 is exact
+        if DOT_FP16:  # interpreter tests of the same code path; fp8 / int8 -> fp16 is exact
             acc = tl.dot(w.to(tl.float16), xt.to(tl.float16), acc)
+        elif IS_INT8:
+            acc = tl.dot(w, xt, acc, out_dtype=tl.int32)  # int8 wgmma: exact int32 sums (|sum| < 127^2 K)
         else:
             acc = tl.dot(w, xt, acc, max_num_imprecise_acc=PROMOTE_K)  # fp32 promotion every PROMOTE_K of K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    return acc
+    return acc.to(tl.float32)
 
 
 @helper
@@ -119,7 +123,7 @@ def _finish_shared_tile(acc, slot, parts, tile, ws_ptr, cnt_ptr, out_ptr, sa_ptr
 def _fp8_small_m_kernel(x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, K,
                         n_tiles, steps_per_tile, units_per_program,
                         SA_PER_ROW: tl.constexpr, SB_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        EVEN_K: tl.constexpr, DOT_FP16: tl.constexpr,
+                        EVEN_K: tl.constexpr, DOT_FP16: tl.constexpr, IS_INT8: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, PROMOTE_K: tl.constexpr,
                         PDL: tl.constexpr):
     # work unit u = tile * steps_per_tile + K step; program p owns units [p * U, (p + 1) * U) (U units_per_program),
@@ -134,7 +138,7 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, ws_ptr,
         tile = first_tile + seg
         s_begin = tl.maximum(u_begin - tile * steps_per_tile, 0)
         s_end = tl.minimum(u_end - tile * steps_per_tile, steps_per_tile)
-        acc = _tile_partial(x_ptr, w_ptr, M, N, K, tile, s_begin, s_end, EVEN_K, DOT_FP16,
+        acc = _tile_partial(x_ptr, w_ptr, M, N, K, tile, s_begin, s_end, EVEN_K, DOT_FP16, IS_INT8,
                             BLOCK_N, BLOCK_K, M_PAD, PROMOTE_K)
         owner_first = (tile * steps_per_tile) // units_per_program
         owner_last = ((tile + 1) * steps_per_tile - 1) // units_per_program
@@ -200,6 +204,17 @@ def split_work(N: int, K: int, block_n: int, block_k: int, programs: int):
 def fp8_small_m_gemm(q, w, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, config=None, dot_fp16=False):
     """q [M, K] fp8 (M <= MAX_M), w [N, K] fp8 -> [M, N] out_dtype. config = (BLOCK_N, BLOCK_K, PROGRAMS,
     num_warps, num_stages); dot_fp16 runs the dot on fp16 copies of the tiles (interpreter tests only)."""
+    assert q.dtype == w.dtype == torch.float8_e4m3fn, (q.dtype, w.dtype)
+    return _small_m_gemm(q, w, scale_a, scale_b, bias, out_dtype, config, dot_fp16)
+
+
+def int8_small_m_gemm(q, w, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, config=None, dot_fp16=False):
+    """fp8_small_m_gemm for int8 q [M, K] and w [N, K] (SmoothQuant: x ~= q * scale_a, W ~= w * scale_b)."""
+    assert q.dtype == w.dtype == torch.int8, (q.dtype, w.dtype)
+    return _small_m_gemm(q, w, scale_a, scale_b, bias, out_dtype, config, dot_fp16)
+
+
+def _small_m_gemm(q, w, scale_a, scale_b, bias, out_dtype, config, dot_fp16):
     assert use_triton(q) and q.shape[0] <= MAX_M
     q = q.contiguous()
     M, K = q.shape
@@ -222,6 +237,6 @@ def fp8_small_m_gemm(q, w, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16
         q, w, out, scale_a, scale_b, bias if bias is not None else scale_b, partials, counters, M, N, K,
         n_tiles, steps, units,
         SA_PER_ROW=scale_a.numel() > 1, SB_PER_ROW=scale_b.numel() > 1, HAS_BIAS=bias is not None,
-        EVEN_K=K % block_k == 0, DOT_FP16=dot_fp16,
+        EVEN_K=K % block_k == 0, DOT_FP16=dot_fp16, IS_INT8=q.dtype == torch.int8,
         BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=m_pad, PROMOTE_K=PROMOTE_K, num_warps=warps, num_stages=stages)
     return out

@@ -5,7 +5,8 @@ Activations are quantized by one fused Triton pass (act_quant), then
 - FP8 at small M (decode): lowbit's Triton small-M GEMM (fp8_small_m), scales and bias in the same launch;
 - FP8 otherwise: torch._scaled_mm (cuBLASLt) with per-tensor or row-wise scales, or the Triton scaled GEMM where it
   cannot run;
-- INT8 at small M (decode): int8_gemv, dp4a on CUDA cores; otherwise the Triton int8 GEMM with a per-token x
+- INT8 at small M (decode): int8_gemv, dp4a on CUDA cores, up to INT8_GEMV_MAX_M rows; then the small-M GEMM's
+  int8 form (int8_small_m_gemm) up to INT8_SMALL_M_MAX; otherwise the Triton int8 GEMM with a per-token x
   per-channel epilogue (scaled_gemm).
 """
 import torch
@@ -14,7 +15,7 @@ from lowbit.kernels._triton import on_gpu
 from lowbit.kernels.act_quant import act_quant, act_quant_ref
 from lowbit.kernels import int8_gemv
 from lowbit.kernels.dense_gemv import fp8_gemv
-from lowbit.kernels.fp8_small_m import fp8_small_m_gemm
+from lowbit.kernels.fp8_small_m import fp8_small_m_gemm, int8_small_m_gemm
 from lowbit.kernels.scaled_gemm import scaled_gemm, scaled_gemm_ref
 
 
@@ -56,11 +57,14 @@ SMALL_M_PER_TENSOR_MIN_K = 8192
 # fp8_small_m / _scaled_mm (gate_up 33.8 vs 30.5 us, down 21.8 vs 18.1).
 FP8_GEMV_MAX_WEIGHTS = 4096 * 6144
 FP8_GEMV_CONFIG = (8, 1024, 2)  # (BLOCK_N, BLOCK_K, num_warps)
-# INT8 (SmoothQuant) layers at up to INT8_GEMV_MAX_M x rows run int8_gemv (dp4a on CUDA cores) instead of the
-# tensor-core int8 GEMM. H200, ms per token of the four Llama-3.1-8B linears x 32 layers (benchmarks.md run 49
-# call 2): M = 1 2.05 against 7.83 (cuBLAS bf16 3.96), M = 4 2.96 against 7.28, M = 8 4.32 against 7.10; at M = 16
-# the GEMM was faster than the kernel's earlier form (run 48: 6.58 against 9.29), which int8_gemv.MAX_M now excludes
-INT8_GEMV_MAX_M = 8
+# INT8 (SmoothQuant) layers at up to INT8_GEMV_MAX_M x rows run int8_gemv (dp4a on CUDA cores); from there up to
+# INT8_SMALL_M_MAX rows the small-M GEMM's int8 form (swap-AB int8 wgmma, split K finished in the same launch); the
+# int8 GEMM's tiles are made for large M. H200, ms per token of the four Llama-3.1-8B linears x 32 layers
+# (`python3 bench/int8_small_m_bench.py`, benchmarks.md run 50 calls 5 and 7), int8_gemv / small-M / int8 GEMM:
+# M = 1 1.99 / 2.14 / 7.80, M = 2 2.14 / 2.19 / 7.60, M = 3 2.89 / 2.17 / 7.44, M = 8 4.30 / 2.17 / 7.06,
+# M = 16 - / 2.21 / 6.64, M = 32 - / 2.29 / 5.18 (cuBLAS bf16 3.8-4.1).
+INT8_GEMV_MAX_M = 2
+INT8_SMALL_M_MAX = 32
 
 
 def scale_kind(scale_a, scale_b) -> str:
@@ -72,6 +76,12 @@ def scale_kind(scale_a, scale_b) -> str:
 def int8_gemv_applies(q, w, scale_a) -> bool:
     """INT8 x and weights on the GPU, at most INT8_GEMV_MAX_M rows, in the shapes int8_gemv supports."""
     return on_gpu(q) and q.shape[0] <= INT8_GEMV_MAX_M and int8_gemv.supports(q, w, scale_a)
+
+
+def int8_small_m_applies(q, w) -> bool:
+    """INT8 x and weights on Hopper (int8 wgmma), at most INT8_SMALL_M_MAX rows."""
+    return (on_gpu(q) and q.dtype == w.dtype == torch.int8 and q.shape[0] <= INT8_SMALL_M_MAX
+            and torch.cuda.get_device_capability(q.device) >= (9, 0))
 
 
 def fp8_gemv_applies(q, w, scale_a) -> bool:
@@ -125,7 +135,9 @@ def w8a8_linear_prequantized(q, w, w_scale, scale_a, bias, out_dtype):
 
 
 def tensor_core_linear(q, w, w_scale, scale_a, bias, out_dtype):
-    """w8a8_linear_prequantized without the one-row GEMV: fp8_small_m, cuBLAS or the Triton GEMM."""
+    """w8a8_linear_prequantized without the one-row GEMVs: the small-M GEMM, cuBLAS or the Triton GEMM."""
+    if int8_small_m_applies(q, w):
+        return int8_small_m_gemm(q, w, scale_a, w_scale, bias, out_dtype)
     if small_m_applies(q, w, scale_a, w_scale):  # also where K or N is no multiple of 16
         return fp8_small_m_gemm(q, w, scale_a, w_scale, bias, out_dtype)
     if scaled_mm_applies(q, w):
