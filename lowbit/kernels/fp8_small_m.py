@@ -1,7 +1,8 @@
 """FP8 (and INT8) GEMM for small M (decode): out[M, N] = (x_q @ w_q^T) * scale_a * scale_b (+ bias), one launch.
 
-x_q [M, K] and w_q [N, K] float8_e4m3fn (or both int8: int8_small_m_gemm, SmoothQuant's layers at 9-32 rows; int8
-wgmma, exact int32 sums per program, fp32 from there on), both K-contiguous (w is the layout torch._scaled_mm takes for prefill);
+x_q [M, K] and w_q [N, K] float8_e4m3fn (or both int8: int8_small_m_gemm, SmoothQuant's layers at 3-32 rows; int8
+wgmma, exact int32 sums per program, fp32 from there on), both K-contiguous (w is the layout torch._scaled_mm takes
+for prefill);
 scale_a fp32 [] (static per tensor) or [M, 1] (dynamic per token); scale_b fp32 [] or [N] / [N, 1] (per output row:
 merged q/k/v, gate/up, or per-channel checkpoints); bias [N] or None; fp32 accumulator; M <= 32.
 Accuracy: tl.dot's Hopper default for fp8 (max_num_imprecise_acc 2**30) lets wgmma accumulate all of K at its reduced
