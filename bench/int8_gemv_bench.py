@@ -41,36 +41,40 @@ def scales(m, n, per_token):
     return sa, torch.rand(n, device="cuda") * 1e-3 + 5e-4
 
 
-def check(emit, config, case) -> bool:
+# the kernel under test: (function (q, w, sa, sb, bias, out_dtype, config), label of its default config, timing column)
+GEMV = (int8_gemv.int8_gemv, int8_gemv.CONFIG, "chosen")
+
+
+def check(emit, config, case, target=GEMV) -> bool:
     k, n, m, per_token, bias = case
     torch.manual_seed(k + n + m)
     q, w = int8((m, k)), int8((n, k))
     sa, sb = scales(m, n, per_token)
     b = torch.randn(n, device="cuda").to(torch.bfloat16) if bias else None
-    out = int8_gemv.int8_gemv(q, w, sa, sb, b, torch.bfloat16, config)
+    out = target[0](q, w, sa, sb, b, torch.bfloat16, config)
     ref = scaled_gemm_ref(q, w, sa, sb, b, torch.float32)
     err = max(gemv_bench.rel_err(out[r], ref[r]) for r in range(m))
     ok = bool(torch.isfinite(out).all()) and err < TOL
-    emit({"kind": "check", "config": config or int8_gemv.CONFIG, "K": k, "N": n, "M": m,
+    emit({"kind": "check", "config": config or target[1], "K": k, "N": n, "M": m,
           "per_token": per_token, "bias": bias, "rel_err": err, "tol": TOL, "result": "PASS" if ok else "FAIL"})
     return ok
 
 
-def graph_check(emit) -> bool:
-    """int8_gemv captured in a CUDA graph, replayed on new x (the engine's decode graphs)."""
-    q, w = int8((4, 4096)), int8((4096, 4096))
-    sa, sb = scales(4, 4096, False)
-    int8_gemv.int8_gemv(q, w, sa, sb)
+def graph_check(emit, target=GEMV, m=4, k=4096, n=4096, replays=2) -> bool:
+    """The kernel captured in a CUDA graph, replayed on new x (the engine's decode graphs)."""
+    q, w = int8((m, k)), int8((n, k))
+    sa, sb = scales(m, n, False)
+    target[0](q, w, sa, sb, None, torch.bfloat16, None)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = int8_gemv.int8_gemv(q, w, sa, sb)
+        out = target[0](q, w, sa, sb, None, torch.bfloat16, None)
     errs = []
-    for _ in range(2):
-        q.copy_(int8((4, 4096)))
+    for _ in range(replays):
+        q.copy_(int8((m, k)))
         out.fill_(float("nan"))
         g.replay()
         errs.append(gemv_bench.rel_err(out, scaled_gemm_ref(q, w, sa, sb, None, torch.float32)))
-    emit({"kind": "check", "config": int8_gemv.CONFIG, "M": 4, "graph_replays": 2, "rel_err": max(errs),
+    emit({"kind": "check", "config": target[1], "M": m, "graph_replays": replays, "rel_err": max(errs),
           "tol": TOL, "result": "PASS" if max(errs) < TOL else "FAIL"})
     return max(errs) < TOL
 
@@ -83,7 +87,8 @@ def run_checks(emit, configs) -> bool:
     return graph_check(emit) and ok
 
 
-def run_timing(emit, ms, configs, reps) -> list:
+def run_timing(emit, ms, configs, reps, target=GEMV) -> list:
+    """Per shape and M: cuBLAS bf16, the int8 GEMM (scaled_gemm), the route, and the target kernel per config."""
     rows = []
     for name, k, n in SHAPES:
         ws = [int8((n, k)) for _ in range(gemv_bench.copies_for(n * k))]
@@ -98,8 +103,8 @@ def run_timing(emit, ms, configs, reps) -> list:
                    "route": time_us([lambda w=w: w8a8.w8a8_linear_prequantized(q, w, sb, sa, None, torch.bfloat16)
                                      for w in ws], reps)}
             for c in configs:
-                row[str(c or "chosen")] = time_us([lambda w=w, c=c: int8_gemv.int8_gemv(q, w, sa, sb, config=c)
-                                                   for w in ws], reps)
+                row[str(c or target[2])] = time_us(
+                    [lambda w=w, c=c: target[0](q, w, sa, sb, None, torch.bfloat16, c) for w in ws], reps)
             emit(row)
             rows.append(row)
         del ws, wb

@@ -18,87 +18,24 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without pip install -e
 
 from lowbit.bench_cli import int_list, json_lines, load_script  # noqa: E402
-from lowbit.kernels import fp8_small_m as fsm, w8a8  # noqa: E402
-from lowbit.kernels.scaled_gemm import scaled_gemm, scaled_gemm_ref  # noqa: E402
+from lowbit.kernels import fp8_small_m as fsm  # noqa: E402
 
-SHAPES = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
-TOL = 3e-3  # exact int32 sums per program, fp32 partials and scales; one bf16 rounding of the output (~2e-3 worst)
-gemv_bench = load_script("w4_gemv_bench.py")  # rel_err, copies_for, per_token_table
-int8_bench = load_script("int8_gemv_bench.py")  # int8, scales
-time_us = load_script("kernels.py").time_us
-
-
-def check(emit, config, case) -> bool:
-    k, n, m, per_token, bias = case
-    torch.manual_seed(k + n + m)
-    q, w = int8_bench.int8((m, k)), int8_bench.int8((n, k))
-    sa, sb = int8_bench.scales(m, n, per_token)
-    b = torch.randn(n, device="cuda").to(torch.bfloat16) if bias else None
-    out = fsm.int8_small_m_gemm(q, w, sa, sb, b, torch.bfloat16, config)
-    ref = scaled_gemm_ref(q, w, sa, sb, b, torch.float32)
-    err = max(gemv_bench.rel_err(out[r], ref[r]) for r in range(m))
-    ok = bool(torch.isfinite(out).all()) and err < TOL
-    emit({"kind": "check", "config": config or "default", "K": k, "N": n, "M": m, "per_token": per_token,
-          "bias": bias, "rel_err": err, "tol": TOL, "result": "PASS" if ok else "FAIL"})
-    return ok
-
-
-def graph_check(emit) -> bool:
-    """Captured in a CUDA graph and replayed on new x: down (14336 -> 4096) splits its K over the SMs, so the
-    replays also check that the last part of each tile resets its arrival counter."""
-    q, w = int8_bench.int8((16, 14336)), int8_bench.int8((4096, 14336))
-    sa, sb = int8_bench.scales(16, 4096, False)
-    fsm.int8_small_m_gemm(q, w, sa, sb)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fsm.int8_small_m_gemm(q, w, sa, sb)
-    errs = []
-    for _ in range(3):
-        q.copy_(int8_bench.int8((16, 14336)))
-        out.fill_(float("nan"))
-        g.replay()
-        errs.append(gemv_bench.rel_err(out, scaled_gemm_ref(q, w, sa, sb, None, torch.float32)))
-    ok = max(errs) < TOL
-    emit({"kind": "check", "config": "default", "M": 16, "graph_replays": 3, "rel_err": max(errs), "tol": TOL,
-          "result": "PASS" if ok else "FAIL"})
-    return ok
+int8_bench = load_script("int8_gemv_bench.py")  # the checks and timing, run here on the small-M GEMM
+gemv_bench = load_script("w4_gemv_bench.py")  # per_token_table
+SMALL_M = (fsm.int8_small_m_gemm, "default", "small_m")  # int8_gemv_bench's target: kernel, config label, column
 
 
 def run_checks(emit, configs) -> bool:
-    cases = [(k, n, m, False, False) for _, k, n in SHAPES for m in (3, 9, 16, 32)]
+    cases = [(k, n, m, False, False) for _, k, n in int8_bench.SHAPES for m in (3, 9, 16, 32)]
     cases += [(4096, 4096, 24, True, True), (1040, 1030, 13, True, True), (14336, 130, 32, False, True),
               (4100, 18, 17, False, True)]
-    ok = all([check(emit, c, case) for c in configs for case in cases])
-    return graph_check(emit) and ok
-
-
-def run_timing(emit, ms, configs, reps) -> list:
-    rows = []
-    for name, k, n in SHAPES:
-        ws = [int8_bench.int8((n, k)) for _ in range(gemv_bench.copies_for(n * k))]
-        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-              for _ in range(gemv_bench.copies_for(2 * n * k))]
-        for m in ms:
-            q, x = int8_bench.int8((m, k)), torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            sa, sb = int8_bench.scales(m, n, False)
-            row = {"kind": "time", "shape": name, "M": m,
-                   "cublas_bf16": time_us([lambda w=w: F.linear(x, w) for w in wb], reps),
-                   "int8_gemm": time_us([lambda w=w: scaled_gemm(q, w, sa, sb) for w in ws], reps),
-                   "route": time_us([lambda w=w: w8a8.w8a8_linear_prequantized(q, w, sb, sa, None, torch.bfloat16)
-                                     for w in ws], reps)}
-            for c in configs:
-                row[str(c or "small_m")] = time_us([lambda w=w, c=c: fsm.int8_small_m_gemm(q, w, sa, sb, config=c)
-                                                    for w in ws], reps)
-            emit(row)
-            rows.append(row)
-        del ws, wb
-        torch.cuda.empty_cache()
-    return rows
+    ok = all([int8_bench.check(emit, c, case, SMALL_M) for c in configs for case in cases])
+    # down (14336 -> 4096) splits its K over the SMs: the replays also check that each tile's counter resets
+    return int8_bench.graph_check(emit, SMALL_M, m=16, k=14336, n=4096, replays=3) and ok
 
 
 def parse_configs(ap, text: str) -> list:
@@ -130,7 +67,7 @@ def main(argv=None) -> int:
         return 2
     emit, lines = json_lines(args.json)
     ok = run_checks(emit, configs)
-    rows = run_timing(emit, ms, configs, args.reps)
+    rows = int8_bench.run_timing(emit, ms, configs, args.reps, SMALL_M)
     cols = ["cublas_bf16", "int8_gemm", "route"] + [str(c or "small_m") for c in configs]
     print("### INT8 (SmoothQuant scales), ms per token (four linears x 32 layers); int8_gemm = the route before")
     print(gemv_bench.per_token_table(rows, ms, cols))

@@ -69,9 +69,9 @@ def _sum_partials(ws_ptr, offs_n, offs_m, M, N, parts, BLOCK_N: tl.constexpr, M_
 
 @helper
 def _tile_partial(x_ptr, w_ptr, M, N, K, tile, s_begin, s_end, EVEN_K: tl.constexpr, DOT_FP16: tl.constexpr,
-                  IS_INT8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
-                  PROMOTE_K: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, PROMOTE_K: tl.constexpr):
     """[BLOCK_N, M_PAD] fp32 = sum over K steps s_begin <= s < s_end of W[tile rows, step s] @ x^T[step s]."""
+    IS_INT8: tl.constexpr = x_ptr.dtype.element_ty == tl.int8
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
     offs_k = tl.arange(0, BLOCK_K)
@@ -124,7 +124,7 @@ def _finish_shared_tile(acc, slot, parts, tile, ws_ptr, cnt_ptr, out_ptr, sa_ptr
 def _fp8_small_m_kernel(x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, K,
                         n_tiles, steps_per_tile, units_per_program,
                         SA_PER_ROW: tl.constexpr, SB_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        EVEN_K: tl.constexpr, DOT_FP16: tl.constexpr, IS_INT8: tl.constexpr,
+                        EVEN_K: tl.constexpr, DOT_FP16: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, PROMOTE_K: tl.constexpr,
                         PDL: tl.constexpr):
     # work unit u = tile * steps_per_tile + K step; program p owns units [p * U, (p + 1) * U) (U units_per_program),
@@ -139,7 +139,7 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, ws_ptr,
         tile = first_tile + seg
         s_begin = tl.maximum(u_begin - tile * steps_per_tile, 0)
         s_end = tl.minimum(u_end - tile * steps_per_tile, steps_per_tile)
-        acc = _tile_partial(x_ptr, w_ptr, M, N, K, tile, s_begin, s_end, EVEN_K, DOT_FP16, IS_INT8,
+        acc = _tile_partial(x_ptr, w_ptr, M, N, K, tile, s_begin, s_end, EVEN_K, DOT_FP16,
                             BLOCK_N, BLOCK_K, M_PAD, PROMOTE_K)
         owner_first = (tile * steps_per_tile) // units_per_program
         owner_last = ((tile + 1) * steps_per_tile - 1) // units_per_program
@@ -238,6 +238,6 @@ def _small_m_gemm(q, w, scale_a, scale_b, bias, out_dtype, config, dot_fp16):
         q, w, out, scale_a, scale_b, bias if bias is not None else scale_b, partials, counters, M, N, K,
         n_tiles, steps, units,
         SA_PER_ROW=scale_a.numel() > 1, SB_PER_ROW=scale_b.numel() > 1, HAS_BIAS=bias is not None,
-        EVEN_K=K % block_k == 0, DOT_FP16=dot_fp16, IS_INT8=q.dtype == torch.int8,
+        EVEN_K=K % block_k == 0, DOT_FP16=dot_fp16,
         BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=m_pad, PROMOTE_K=PROMOTE_K, num_warps=warps, num_stages=stages)
     return out
