@@ -5,11 +5,12 @@ from pathlib import Path
 
 import yaml
 
+from lowbit import formats
 from lowbit.errors import UserError
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
-QUANT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "NVFP4", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL")
-KV_ALGOS = ("FP8",)
+QUANT_ALGOS = tuple(f.name for f in formats.calibrated())  # the formats lowbit quantize makes
+KV_ALGOS = tuple(formats.kv_names())
 ALGORITHMS = ("max", "awq_lite", "smoothquant", "rtn")
 
 
@@ -26,7 +27,7 @@ class Recipe:
     name: str
     quant_algo: str  # the checkpoint's quant_algo, FORMATS.md
     description: str = ""
-    kv_cache: str | None = None  # FP8: calibrated k_scale/v_scale for every layer
+    kv_cache: str | None = None  # a kv_cache_quant_algo: calibrated k_scale/v_scale for every layer
     algorithm: str = "max"  # calibration algorithm
     algorithm_args: dict = field(default_factory=dict)  # e.g. {alpha: 0.5} for smoothquant
     group_size: int | None = None  # block/group size of weight scales where the format has one

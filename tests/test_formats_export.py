@@ -12,7 +12,7 @@ What is proven, per recipe:
 import pytest
 import torch
 
-from lowbit.checkpoint import formats
+from lowbit import formats
 
 RECIPES = ("fp8", "fp8_dynamic", "nvfp4", "int4_awq", "int4_rtn", "w8a8_sq")
 # Reader vs modelopt fake-quant logits on 64 held-out tokens. AWQ: max |diff| <= EXACT_TOL (same numbers up to

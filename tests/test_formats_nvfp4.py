@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lowbit.calibrate import nvfp4_cpu
-from lowbit.checkpoint import formats
+from lowbit import formats
 
 TIES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 TIE_RESULTS = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0])  # to the even e2m1 code

@@ -5,32 +5,19 @@ algorithm and its arguments, the weight group size, the exclusions and the KV-ca
 """
 import copy
 
+from lowbit import formats
 from lowbit.calibrate.groups import group_overrides
 from lowbit.errors import UserError
 from lowbit.recipe import Recipe
 
-STOCK = {  # quant_algo -> name of modelopt's stock config for that format
-    "FP8": "FP8_DEFAULT_CFG",
-    "FP8_PER_CHANNEL_PER_TOKEN": "FP8_PER_CHANNEL_PER_TOKEN_CFG",
-    "NVFP4": "NVFP4_DEFAULT_CFG",
-    "W4A16_AWQ": "INT4_AWQ_CFG",
-    "W8A8_SQ_PER_CHANNEL": "INT8_SMOOTHQUANT_CFG",
-}
-RTN_STOCK = "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"  # W4A16 with plain max calibration (round to nearest)
-ALGORITHMS = {  # quant_algo -> calibration algorithms a recipe may ask for
-    "FP8": ("max",),
-    "FP8_PER_CHANNEL_PER_TOKEN": ("max",),
-    "NVFP4": ("max",),
-    "W4A16_AWQ": ("awq_lite", "rtn"),
-    "W8A8_SQ_PER_CHANNEL": ("smoothquant",),
-}
-NVFP4_BLOCK = 16
+
+def calibration(recipe: Recipe) -> formats.Calibration:
+    """The calibration facts of the recipe's format (recipe validation admits only formats that have them)."""
+    return formats.get(recipe.quant_algo).calibration
 
 
 def stock_name(recipe: Recipe) -> str:
-    if recipe.quant_algo == "W4A16_AWQ" and recipe.algorithm == "rtn":
-        return RTN_STOCK
-    return STOCK[recipe.quant_algo]
+    return calibration(recipe).stock_name(recipe.algorithm)
 
 
 def stock_config(recipe: Recipe) -> dict:
@@ -41,14 +28,15 @@ def stock_config(recipe: Recipe) -> dict:
 
 
 def check_algorithm(recipe: Recipe) -> None:
-    allowed = ALGORITHMS[recipe.quant_algo]
-    if recipe.algorithm not in allowed:
+    calib = calibration(recipe)
+    if recipe.algorithm not in calib.algorithms:
         raise UserError(f"{recipe.source}: bad value for 'algorithm': {recipe.algorithm!r} does not apply to "
-                        f"{recipe.quant_algo} (use {' or '.join(allowed)})")
-    if recipe.quant_algo == "NVFP4" and recipe.group_size not in (None, NVFP4_BLOCK):
-        raise UserError(f"{recipe.source}: bad value for 'group_size': NVFP4 blocks are {NVFP4_BLOCK} wide")
-    if recipe.quant_algo == "W4A16_AWQ" and recipe.group_size is None:
-        raise UserError(f"{recipe.source}: missing required key 'group_size' for W4A16_AWQ")
+                        f"{recipe.quant_algo} (use {' or '.join(calib.algorithms)})")
+    if calib.block is not None and recipe.group_size not in (None, calib.block):
+        raise UserError(f"{recipe.source}: bad value for 'group_size': {recipe.quant_algo} blocks are "
+                        f"{calib.block} wide")
+    if calib.group_required and recipe.group_size is None:
+        raise UserError(f"{recipe.source}: missing required key 'group_size' for {recipe.quant_algo}")
 
 
 def algorithm_config(recipe: Recipe):
@@ -66,15 +54,16 @@ def modelopt_config(recipe: Recipe, model=None) -> dict:
     cfg = stock_config(recipe)
     cfg["algorithm"] = algorithm_config(recipe)
     entries = list(cfg["quant_cfg"])
-    if recipe.quant_algo == "W4A16_AWQ":
+    if calibration(recipe).group_required:
         entries = [_with_group(e, recipe.group_size) for e in entries]
         if model is not None:
             entries += [_int4_weight_entry(f"{name}.weight_quantizer", group)
                         for name, group in group_overrides(model, recipe.group_size, recipe.exclude).items()]
     entries += [{"quantizer_name": f"*{pattern}*", "enable": False} for pattern in recipe.exclude]
     cfg["quant_cfg"] = entries
-    if recipe.kv_cache == "FP8":
-        cfg = mtq.update_quant_cfg_with_kv_cache_quant(cfg, mtq.FP8_KV_CFG["quant_cfg"])
+    kv = formats.kv_format(recipe.kv_cache)
+    if kv is not None:
+        cfg = mtq.update_quant_cfg_with_kv_cache_quant(cfg, getattr(mtq, kv.stock)["quant_cfg"])
     return cfg
 
 

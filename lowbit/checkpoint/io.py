@@ -1,5 +1,4 @@
 """Reading checkpoint directories, and writing them atomically (temporary directory, then rename)."""
-import fnmatch
 import hashlib
 import json
 import os
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from lowbit import formats
 from lowbit.errors import UserError
 
 QUANT_CONFIG = "hf_quant_config.json"
@@ -35,16 +35,18 @@ class Checkpoint:
     def kv_algo(self) -> str | None:
         return self.quant.get("kv_cache_quant_algo") if self.quant else None
 
+    @property
+    def kv_format(self) -> formats.KVFormat | None:
+        """The KV cache's format, None for a cache in the model dtype (an unknown one is a ValueError)."""
+        return formats.kv_format(self.kv_algo)
+
     def layer_algo(self, module_name: str) -> str | None:
         """The quant_algo of one linear module, or None when it is excluded (left in float)."""
-        if not self.quant:
-            return None
-        if self.quant_algo == "MIXED_PRECISION":
-            entry = self.quant.get("quantized_layers", {}).get(module_name)
-            return entry["quant_algo"] if entry else None
-        if any(_excluded(module_name, p) for p in self.quant.get("exclude_modules") or ()):
-            return None
-        return self.quant_algo
+        return formats.layer_algo(self.quant, module_name)
+
+    def layer_format(self, module_name: str) -> formats.Format | None:
+        """The Format of one linear module, or None when it is excluded (left in float)."""
+        return formats.layer_format(self.quant, module_name)
 
     @cached_property
     def weight_files(self) -> list[Path]:
@@ -60,10 +62,6 @@ class Checkpoint:
         for f in self.weight_files:
             out.update(load_file(f, device=device))
         return out
-
-
-def _excluded(name: str, pattern: str) -> bool:
-    return name == pattern or name.startswith(pattern + ".") or fnmatch.fnmatch(name, pattern)
 
 
 def read(path) -> Checkpoint:

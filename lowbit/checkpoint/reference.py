@@ -7,35 +7,34 @@ reference for lowbit's own engine and the in-process model of `lowbit eval`.
 import torch
 from torch import nn
 
-from lowbit.checkpoint import formats
+from lowbit import formats
 from lowbit.checkpoint.io import read
 
-TENSOR_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
-KV_ATTENTION = "lowbit_fp8_kv"
+KV_ATTENTION = "lowbit_quant_kv"
 
 
 class ReferenceQuantLinear(nn.Module):
-    def __init__(self, algo: str, tensors: dict, bias: torch.Tensor | None = None):
+    def __init__(self, fmt: formats.Format, tensors: dict, bias: torch.Tensor | None = None):
         super().__init__()
-        self.algo = algo
+        self.format = fmt
         self.act_tensors = {k: v for k, v in tensors.items() if k in ("input_scale", "pre_quant_scale")}
-        self.register_buffer("weight", formats.dequantize_weight(algo, tensors))  # float32 [out, in]
+        self.register_buffer("weight", fmt.dequantize(tensors))  # float32 [out, in]
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.in_features, self.out_features = self.weight.shape[1], self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xq = formats.quantize_activation(self.algo, x, self.act_tensors)
+        xq = self.format.quantize_activation(x, self.act_tensors)
         return nn.functional.linear(xq.float(), self.weight, self.bias).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.algo}, in_features={self.in_features}, out_features={self.out_features}"
+        return f"{self.format.name}, in_features={self.in_features}, out_features={self.out_features}"
 
 
-def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
+def _quant_kv_attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    key = formats.fake_quant_fp8(key, module.k_scale).to(query.dtype)
-    value = formats.fake_quant_fp8(value, module.v_scale).to(query.dtype)
+    key = module.kv_format.fake_quant(key, module.k_scale).to(query.dtype)
+    value = module.kv_format.fake_quant(value, module.v_scale).to(query.dtype)
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 
@@ -44,7 +43,7 @@ def _register_kv_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    AttentionInterface.register(KV_ATTENTION, _fp8_kv_attention)
+    AttentionInterface.register(KV_ATTENTION, _quant_kv_attention)
     AttentionMaskInterface.register(KV_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
@@ -68,8 +67,8 @@ def load_reference_model(path, dtype=torch.float32):
     model.load_state_dict(floats, strict=False, assign=True)
     model.tie_weights()
     _rebuild_rotary(model)
-    if ckpt.kv_algo == "FP8":
-        _attach_kv_scales(model, tensors)
+    if ckpt.kv_format is not None:
+        _attach_kv_scales(model, tensors, ckpt.kv_format)
     _check_materialized(model, path)
     model.eval()
     return model, tokenizer
@@ -79,13 +78,13 @@ def _swap_quantized_linears(model: nn.Module, ckpt, tensors: dict) -> None:
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
-        algo = ckpt.layer_algo(name)
-        if algo is None or f"{name}.weight_scale" not in tensors:
+        fmt = ckpt.layer_format(name)
+        if fmt is None or f"{name}.weight_scale" not in tensors:
             continue
-        parts = {s: tensors[f"{name}.{s}"] for s in TENSOR_SUFFIXES if f"{name}.{s}" in tensors}
+        parts = {s: tensors[f"{name}.{s}"] for s in formats.TENSOR_SUFFIXES if f"{name}.{s}" in tensors}
         bias = tensors.get(f"{name}.bias")
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, ReferenceQuantLinear(algo, parts, bias))
+        setattr(model.get_submodule(parent_name), child, ReferenceQuantLinear(fmt, parts, bias))
 
 
 def _is_quant_tensor(key: str, model: nn.Module) -> bool:
@@ -98,13 +97,14 @@ def _is_quant_tensor(key: str, model: nn.Module) -> bool:
         return False
 
 
-def _attach_kv_scales(model: nn.Module, tensors: dict) -> None:
+def _attach_kv_scales(model: nn.Module, tensors: dict, kv: formats.KVFormat) -> None:
     _register_kv_attention()
     for name, module in model.named_modules():
         if not name.endswith("self_attn"):
             continue
-        module.k_scale = tensors[f"{name}.k_proj.k_scale"].float()
-        module.v_scale = tensors[f"{name}.v_proj.v_scale"].float()
+        module.kv_format = kv
+        module.k_scale = tensors[f"{name}.{kv.k_scale}"].float()
+        module.v_scale = tensors[f"{name}.{kv.v_scale}"].float()
     model.set_attn_implementation(KV_ATTENTION)
 
 

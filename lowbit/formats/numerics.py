@@ -1,4 +1,4 @@
-"""Per-format tensor conventions of the modelopt unified HF checkpoint, as pure torch.
+"""Shared numerics of the checkpoint formats, as pure torch: packing, e2m1 codes, NVFP4 blocks, fake quantization.
 
 Every function here is a reference: exact unpacking, dequantization and fake quantization of activations.
 Scales are dequantization multipliers (x ~= q * scale). Shapes are written [out, in] for weights.
@@ -7,16 +7,12 @@ Checked against real modelopt 0.47 CPU exports (tests/test_formats_export.py, te
 - NVFP4: codes, e4m3 block scales (1.0 for an all-zero block, clamped to [2^-9, 448]) and packing equal
   NVFP4QTensor.quantize bit for bit; a negative value that rounds to 0 keeps its sign (code 8). Dequantize as
   e2m1 * (block_scale * weight_scale_2), the fp32 product first: that is modelopt's order and gives its fake-quant
-  weight exactly. q/k/v and gate/up share weight_scale_2 and input_scale.
-- W4A16_AWQ: uint8 [out/2, in] (row 2j low nibble), weight_scale fp32 [out, in/group]; pre_quant_scale only on
-  o_proj/down_proj (q/k/v, gate/up: folded into the RMSNorm weight). Export refuses in % group != 0; lowbit gives
-  such layers a smaller group and the config becomes MIXED_PRECISION with per-layer group_size. INT4 RTN exports
-  the same layout without pre_quant_scale.
-- W8A8_SQ_PER_CHANNEL: weights [-128, 127] (never -128 in practice), static activations use the full range
-  [-128, 127] (modelopt's input quantizer is not narrow-range); pre_quant_scale on every linear, model dtype.
-- FP8 / FP8_PER_CHANNEL_PER_TOKEN: export computes w / (amax/448), modelopt's fake quant w * (448/amax); on exact
-  rounding ties (common on GGUF-derived weights) the two round to neighbouring codes, so a checkpoint and the
-  fake-quant model it came from can differ by one code step on ~0.2 % of a layer's weights.
+  weight exactly.
+- int4 rows (W4A16_AWQ): uint8 [out/2, in], row 2j in the low nibble.
+- int8 static activations use the full range [-128, 127] (modelopt's input quantizer is not narrow-range).
+- FP8: export computes w / (amax/448), modelopt's fake quant w * (448/amax); on exact rounding ties (common on
+  GGUF-derived weights) the two round to neighbouring codes, so a checkpoint and the fake-quant model it came from
+  can differ by one code step on ~0.2 % of a layer's weights.
 """
 import torch
 
@@ -27,8 +23,6 @@ E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
-WEIGHT_ONLY_ALGOS = {"W4A16_AWQ", "W4A16_NVFP4", "W8A16"}
-SUPPORTED_ALGOS = {"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "NVFP4", "W4A16_NVFP4", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL"}
 
 
 # ---- int4, modelopt AWQ layout: uint8 [out/2, in], row 2j in the low nibble, row 2j+1 in the high nibble
@@ -104,22 +98,10 @@ def nvfp4_dequantize(codes: torch.Tensor, block_scale: torch.Tensor, global_scal
     return (values * scale).reshape(codes.shape)
 
 
-# ---- weights
-def dequantize_weight(algo: str, t: dict) -> torch.Tensor:
-    """The float32 weight [out, in] that a checkpoint's tensors for one linear layer stand for."""
-    w = t["weight"]
-    if algo == "FP8":
-        return w.float() * t["weight_scale"].float()
-    if algo in ("FP8_PER_CHANNEL_PER_TOKEN", "W8A8_SQ_PER_CHANNEL", "W8A16"):
-        return w.float() * t["weight_scale"].float().reshape(-1, 1)
-    if algo in ("NVFP4", "W4A16_NVFP4"):
-        return nvfp4_dequantize(unpack_e2m1(w), t["weight_scale"], t["weight_scale_2"])
-    if algo == "W4A16_AWQ":
-        q = unpack_int4_rows(w).float()
-        scale = t["weight_scale"].float()  # [out, in/group]
-        group = q.shape[1] // scale.shape[1]
-        return q * scale.repeat_interleave(group, dim=1)
-    raise ValueError(f"unsupported quant_algo {algo!r}")
+def amax(t: torch.Tensor, dim=None) -> torch.Tensor:
+    """|t|'s maximum (over `dim`, or all of t) in float32, floored at 1e-8 so a zero weight gets a finite scale."""
+    a = t.abs().amax() if dim is None else t.abs().amax(dim=dim)
+    return a.float().clamp(min=1e-8)
 
 
 # ---- activations (fake quantization: quantize and dequantize again)
@@ -147,27 +129,3 @@ def fake_quant_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tenso
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     y = torch.where(scale > 0, e2m1_decode(e2m1_codes(blocks / safe)) * scale, torch.zeros_like(blocks))
     return y.reshape(x.shape)
-
-
-def quantize_activation(algo: str, x: torch.Tensor, t: dict) -> torch.Tensor:
-    """x [..., in] as the format's kernels see it: pre_quant_scale applied, then the activation quantizer."""
-    if "pre_quant_scale" in t:
-        x = x * t["pre_quant_scale"].to(x.dtype)
-    if algo == "FP8":
-        return fake_quant_fp8(x, t["input_scale"].float()).to(x.dtype)
-    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
-        return fake_quant_fp8_per_token(x).to(x.dtype)
-    if algo == "W8A8_SQ_PER_CHANNEL":
-        return fake_quant_int8(x, t["input_scale"].float()).to(x.dtype)
-    if algo == "NVFP4":
-        return fake_quant_nvfp4(x, t["input_scale"].float()).to(x.dtype)
-    return x  # weight-only formats
-
-
-def reference_linear(algo: str, x: torch.Tensor, t: dict, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = Q(x) @ W^T (+ bias), computed in float32 and returned in x's dtype."""
-    xq = quantize_activation(algo, x, t).float()
-    y = xq @ dequantize_weight(algo, t).t()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
