@@ -12,7 +12,7 @@ from lowbit.errors import UserError
 SUBCOMMANDS = {
     "quantize": ("lowbit.quantize.cli", "calibrate a model with a recipe and write a quantized checkpoint"),
     "eval": ("lowbit.evaluate.cli", "measure a checkpoint against its baseline and gate it"),
-    "serve": ("lowbit.serve.cli", "serve a checkpoint by name with an OpenAI-compatible API"),
+    "serve": ("lowbit.serve.server.cli", "serve a checkpoint by name with an OpenAI-compatible API"),
     "bench": ("lowbit.bench_cli", "benchmarks: kernels, serving throughput and latency"),
     "models": ("lowbit.models_cli", "list the models and checkpoints in the store"),
 }

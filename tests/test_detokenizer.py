@@ -4,7 +4,7 @@ import random
 
 from transformers import AutoTokenizer
 
-from lowbit.serve.detokenizer import Detokenizer, decoder
+from lowbit.serve.engine.detokenizer import Detokenizer, decoder
 
 
 def stream(tokenizer, prompt, completion, stop, decode):

@@ -1,10 +1,10 @@
-"""`--load-format dummy` checkpoints (lowbit.serve.dummy_weights) for every format on a tiny Llama config on CPU: the
+"""`--load-format dummy` checkpoints (lowbit.testing.dummy_weights) for every format on a tiny Llama config on CPU: the
 names a checkpoint lists are exactly the tensors its modules draw, with the dtypes and shapes of FORMATS.md, and the
 same name draws the same tensor twice (seeded by name)."""
 
 import torch
 
-from lowbit.serve.dummy_weights import FORMATS, LLAMA_3_1_8B, dummy_checkpoint
+from lowbit.testing.dummy_weights import FORMATS, LLAMA_3_1_8B, dummy_checkpoint
 
 TINY = dict(LLAMA_3_1_8B, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, head_dim=64, vocab_size=256)  # K a multiple of the 4-bit formats' 128

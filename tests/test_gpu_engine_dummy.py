@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from lowbit.bench_cli import load_script  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
-from lowbit.serve import attention  # noqa: E402
+from lowbit.serve.layers import attention  # noqa: E402
 
 
 def load_bench():
@@ -20,7 +20,7 @@ def load_bench():
 @pytest.mark.skipif(torch.cuda.is_available() or not interpreting(), reason="CPU interpreter test")
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_triton_attention_backend_matches_torch_backend_on_cpu(fmt):
-    from lowbit.serve.triton_attention import TritonAttentionBackend
+    from lowbit.serve.layers.triton_attention import TritonAttentionBackend
 
     bench = load_bench()
     args = bench.parse(["--tiny", "--device", "cpu"])
@@ -68,7 +68,7 @@ def test_measured_runs_meet_no_cached_prefix():
 def test_reference_path_swaps_in_references_and_restores_on_cpu():
     """serve_bench's reference path (the GPU check's baseline) runs the engine on the torch references and then puts
     every kernel back; it broke once when a layers function it swaps was removed."""
-    from lowbit.serve import layers
+    from lowbit.serve.layers import ops as layers
 
     bench = load_bench()
     args = bench.parse(["--tiny", "--device", "cpu"])
@@ -82,16 +82,31 @@ def test_reference_path_swaps_in_references_and_restores_on_cpu():
     assert {n: getattr(layers, n) for n in before} == before and attention._backend is backend
 
 
-def test_reference_path_swaps_every_kernel_op_the_layers_import():
-    """A kernel op the layers import but the reference path leaves in place would run in the GPU check's baseline."""
+def _kernel_imports(module) -> set[str]:
     import ast
     import inspect
 
-    from lowbit.serve import layers
+    return {a.asname or a.name for node in ast.walk(ast.parse(inspect.getsource(module)))
+            if isinstance(node, ast.ImportFrom) and node.module == "lowbit.kernels" for a in node.names}
 
-    imported = {a.asname or a.name for node in ast.parse(inspect.getsource(layers)).body
-                if isinstance(node, ast.ImportFrom) and node.module == "lowbit.kernels" for a in node.names}
-    assert imported - {"prepare_linear"} == set(load_bench().LAYER_OPS)
+
+def test_reference_path_swaps_every_kernel_op_the_layers_import():
+    """The layers and models call their per-step kernel ops through layers.ops, whose names the reference path swaps;
+    an op imported anywhere else (the attention backends aside: the reference path swaps a backend whole) would run
+    in the GPU check's baseline."""
+    import importlib
+    import pkgutil
+
+    import lowbit.serve.layers
+    import lowbit.serve.models
+    from lowbit.serve.layers import ops
+
+    assert _kernel_imports(ops) == set(load_bench().LAYER_OPS)
+    for pkg in (lowbit.serve.layers, lowbit.serve.models):
+        for info in pkgutil.iter_modules(pkg.__path__):
+            if info.name not in ("ops", "attention", "triton_attention"):
+                module = importlib.import_module(f"{pkg.__name__}.{info.name}")
+                assert _kernel_imports(module) <= {"prepare_linear"}, module.__name__
 
 
 def test_cpu_engine_installs_the_torch_attention_backend():
@@ -203,7 +218,7 @@ def test_step_profile_device_gaps():
 def test_gpu_fp8_cache_refuses_block_size_not_a_power_of_two(monkeypatch):
     """An engine with the GPU kernels and an FP8 KV cache stops at start on a block size whose V blocks the kernels
     cannot read (the Triton backend stubbed in on the CPU: the check comes before anything runs)."""
-    from lowbit.serve import model_runner
+    from lowbit.serve.runner import model_runner
 
     bench = load_bench()
     monkeypatch.setattr(model_runner, "_use_gpu_attention", lambda on_cuda: True)
@@ -241,8 +256,8 @@ def test_static_int8_reference_is_fp32_math_on_the_codes():
     reader's convention) rounds the dequantized x to bf16 first, so the two differ by about that rounding only."""
     from lowbit.kernels import linear_ref
     from lowbit.kernels.act_quant import act_quant_ref
-    from lowbit.kernels.qlinear import prepare_linear
-    from lowbit.kernels.synthetic import quantize_linear
+    from lowbit.kernels import prepare_linear
+    from lowbit.testing.synthetic import quantize_linear
 
     bench = load_bench()
     g = torch.Generator().manual_seed(3)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from lowbit.bench_cli import load_script
-from lowbit.serve import kv_pool
-from lowbit.serve.cuda_graphs import DecodeGraphs
-from lowbit.serve.model_runner import HostInputs, PendingTokens
+from lowbit.serve.runner import kv_cache
+from lowbit.serve.runner.cuda_graphs import DecodeGraphs
+from lowbit.serve.runner.model_runner import HostInputs, PendingTokens
 
 
 class EmulatedGraph:
@@ -105,8 +105,8 @@ def test_long_context_graphs():
 def test_engine_decode_through_padded_graph_buffers_matches_eager():
     pytest.importorskip("triton")
     from lowbit.kernels._triton import interpreting
-    from lowbit.serve import attention
-    from lowbit.serve.triton_attention import TritonAttentionBackend
+    from lowbit.serve.layers import attention
+    from lowbit.serve.layers.triton_attention import TritonAttentionBackend
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 before triton's import")
     bench = load_script("serve_bench.py")
@@ -132,11 +132,11 @@ def test_engine_decode_through_padded_graph_buffers_matches_eager():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def test_kv_pool_fraction_and_cap(monkeypatch):
+def test_kv_cache_fraction_and_cap(monkeypatch):
     gib = 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
     block = 2 * 2**20
-    assert kv_pool.gpu_blocks_that_fit(block, 16, gib, "cuda") == int(9 * gib * 0.9 // block)
-    assert kv_pool.gpu_blocks_that_fit(block, 16, gib, "cuda", 0.5, max_tokens=1000) == 63  # ceil(1000 / 16)
+    assert kv_cache.gpu_blocks_that_fit(block, 16, gib, "cuda") == int(9 * gib * 0.9 // block)
+    assert kv_cache.gpu_blocks_that_fit(block, 16, gib, "cuda", 0.5, max_tokens=1000) == 63  # ceil(1000 / 16)
     with pytest.raises(RuntimeError, match="no room"):
-        kv_pool.gpu_blocks_that_fit(block, 16, 11 * gib, "cuda")
+        kv_cache.gpu_blocks_that_fit(block, 16, 11 * gib, "cuda")

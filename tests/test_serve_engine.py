@@ -262,8 +262,8 @@ def test_warm_up_prefills_cover_every_w4_row_range():
     count that is a multiple of 16 and one that is not (Triton compiles each variant once): a request's prompt then
     compiles nothing. The largest range's multiple of 16 is the max_num_tokens warm-up."""
     from lowbit.kernels import w4a16
-    from lowbit.serve.config import EngineConfig
-    from lowbit.serve.model_runner import WARM_UP_PREFILLS
+    from lowbit.serve.engine.config import EngineConfig
+    from lowbit.serve.runner.kv_cache import WARM_UP_PREFILLS
 
     top = EngineConfig().max_num_tokens  # a step's rows at most (longer prompts run in chunks of this)
     assert max(WARM_UP_PREFILLS) < top and top % 16 == 0

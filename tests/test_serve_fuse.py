@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from lowbit.kernels import linear_ref, prepare_linear
-from lowbit.kernels.synthetic import quantize_linear
-from lowbit.serve.fuse import merge_linear_tensors
-from lowbit.serve.layers import MergedLinear
+from lowbit.testing.synthetic import quantize_linear
+from lowbit.serve.layers.merge import merge_linear_tensors
+from lowbit.serve.layers.linear import MergedLinear
 
 SIZES = [96, 32, 32]  # q, k, v rows
 K = 128
@@ -148,8 +148,8 @@ class _Recorder:
 
 @pytest.mark.parametrize("attn_kwargs", [{}, {"qkv_bias": True}, {"qk_norm": True}])
 def test_llama_blocks_apply_the_deferred_part_scales(attn_kwargs, monkeypatch):
-    from lowbit.serve import attention
-    from lowbit.serve.layers import RotaryEmbedding
+    from lowbit.serve.layers import attention
+    from lowbit.serve.layers.rotary import RotaryEmbedding
     from lowbit.serve.models.llama import LlamaAttention, LlamaMLP
 
     rotary = RotaryEmbedding(CONFIG, 32, 64)

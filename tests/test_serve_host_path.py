@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from lowbit.serve.config import EngineConfig
-from lowbit.serve.dummy_weights import LLAMA_3_1_8B, dummy_checkpoint
-from lowbit.serve.engine import Engine
-from lowbit.serve.model_runner import BlockTables
-from lowbit.serve.sampling_params import SamplingParams
-from lowbit.serve.sequence import PENDING
+from lowbit.serve.engine.config import EngineConfig
+from lowbit.testing.dummy_weights import LLAMA_3_1_8B, dummy_checkpoint
+from lowbit.serve.engine.engine import Engine
+from lowbit.serve.runner.block_tables import BlockTables
+from lowbit.serve.engine.sampling_params import SamplingParams
+from lowbit.serve.engine.sequence import PENDING
 
 TINY = dict(LLAMA_3_1_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, head_dim=32, vocab_size=512, max_position_embeddings=256, dtype="float32")

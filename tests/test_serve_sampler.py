@@ -7,8 +7,8 @@ import torch
 
 from lowbit.kernels._triton import HAS_TRITON, interpreting
 from lowbit.kernels.sampling import exponential_noise_ref
-from lowbit.serve.sampler import Sampler, sample_rows, step_seed, truncate
-from lowbit.serve.sampling_params import SamplingParams
+from lowbit.serve.runner.sampler import Sampler, sample_rows, step_seed, truncate
+from lowbit.serve.engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
 ROWS = 20000  # one row per draw: frequencies within ~3 standard errors (<= 0.011) of the target

@@ -1,8 +1,8 @@
 """BlockManager and Scheduler without torch or a model: allocation, prefix reuse, chunking, preemption, FCFS."""
-from lowbit.serve.block_manager import BlockManager
-from lowbit.serve.sampling_params import SamplingParams
-from lowbit.serve.scheduler import Scheduler
-from lowbit.serve.sequence import Sequence, SequenceStatus
+from lowbit.serve.engine.block_manager import BlockManager
+from lowbit.serve.engine.sampling_params import SamplingParams
+from lowbit.serve.engine.scheduler import Scheduler
+from lowbit.serve.engine.sequence import Sequence, SequenceStatus
 
 BS = 16
 

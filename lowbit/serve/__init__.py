@@ -1,7 +1,17 @@
-"""serve: a paged, continuous-batching engine and an OpenAI-compatible HTTP API (api.py, the only FastAPI user)."""
-from lowbit.serve.config import EngineConfig
-from lowbit.serve.llm import LLM
-from lowbit.serve.outputs import CompletionOutput, RequestOutput
-from lowbit.serve.sampling_params import SamplingParams
+"""Serving: `LLM` (offline) and the OpenAI-compatible server (`lowbit serve`) on a paged, continuous-batching engine.
+
+LLM loads on first use, so the torch-free engine parts (scheduler, block manager, sequence) import without torch.
+"""
+from lowbit.serve.engine.config import EngineConfig
+from lowbit.serve.engine.outputs import CompletionOutput, RequestOutput
+from lowbit.serve.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from lowbit.serve.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'lowbit.serve' has no attribute {name!r}")

@@ -1,10 +1,10 @@
 """The offline Python API: `LLM(name_or_path).generate(prompts, SamplingParams(...))`."""
 from itertools import count
 
-from lowbit.serve.config import EngineConfig
-from lowbit.serve.engine import Engine
-from lowbit.serve.outputs import RequestOutput
-from lowbit.serve.sampling_params import SamplingParams
+from lowbit.serve.engine.config import EngineConfig
+from lowbit.serve.engine.engine import Engine
+from lowbit.serve.engine.outputs import RequestOutput
+from lowbit.serve.engine.sampling_params import SamplingParams
 
 
 class LLM:

@@ -1,70 +1,31 @@
-"""Llama family (Llama 2/3, SmolLM2, Mistral-style configs) on paged attention; Qwen builds on these blocks.
+"""Llama family (Llama 2/3, SmolLM2, Mistral-style configs) as in HF transformers; Qwen builds on these blocks.
 
 Module names follow the HF checkpoints (model.layers.N.input_layernorm, ...) so weights load by name; q/k/v and
-gate/up run as merged linears (self_attn.qkv_proj, mlp.gate_up_proj) loaded from their HF parts; FP8 parts with
-unequal weight scales merge per-tensor and rotary_store_kv / silu_and_mul apply the deferred ratios
-(layers.MergedLinear).
-Activations are flattened: hidden [T, hidden_size] for the T new tokens of all sequences in the step. Where the
-next linear is static FP8, the norm (or silu) before it writes its output already quantized to float8_e4m3fn.
+gate/up run as merged linears (self_attn.qkv_proj, mlp.gate_up_proj) loaded from their HF parts.
+Activations are flattened: hidden [T, hidden_size] for the T new tokens of all sequences in the step.
 """
 import torch
 from torch import nn
 
-from lowbit.serve.attention import Attention
-from lowbit.serve.context import StepContext
-from lowbit.serve.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, SiluAndMul
+from lowbit.serve.layers.blocks import GatedMLP, SelfAttention
+from lowbit.serve.layers.linear import Linear
+from lowbit.serve.layers.norm import RMSNorm
+from lowbit.serve.layers.rotary import RotaryEmbedding
+from lowbit.serve.runner.context import StepContext
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(SelfAttention):
     def __init__(self, config: dict, rotary: RotaryEmbedding, qkv_bias: bool = False, qk_norm: bool = False):
-        super().__init__()
-        hidden = config["hidden_size"]
-        self.num_heads = config["num_attention_heads"]
-        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
-        self.head_dim = config.get("head_dim") or hidden // self.num_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv_bias = qkv_bias or config.get("attention_bias", False)
-        self.sizes = [q_size, kv_size, kv_size]
-        # without qk_norm, rotary_store_kv applies the merged FP8 layer's deferred scales (an RMSNorm would absorb them)
-        self.qkv_proj = MergedLinear(hidden, self.sizes, qkv_bias, ["q_proj", "k_proj", "v_proj"],
-                                     defer_part_scales=not qk_norm)
-        self.o_proj = Linear(q_size, hidden, config.get("attention_bias", False))
-        self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"]) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"]) if qk_norm else None
-        self.rotary = [rotary]  # shared, and kept out of this module's children
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
-
-    def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        out_scale = self.o_proj.fp8_input_scale
-        if self.q_norm is None:  # rotary (with part_scales) and the K/V store straight from the qkv rows, one launch
-            return self.o_proj(self.attn.forward_qkv(qkv, self.rotary[0].cos_sin_cache, self.qkv_proj.part_scales,
-                                                     ctx, out_scale))
-        q, k, v = qkv.split(self.sizes, dim=-1)  # Qwen3: per-head RMSNorm before RoPE
-        t = hidden.shape[0]
-        q = self.q_norm(q.view(t, -1, self.head_dim)).view(t, -1)
-        k = self.k_norm(k.view(t, -1, self.head_dim)).view(t, -1)
-        q, k = self.rotary[0](ctx.positions, q, k)
-        return self.o_proj(self.attn(q, k, v, ctx, out_scale))
+        hidden, num_heads = config["hidden_size"], config["num_attention_heads"]
+        bias = config.get("attention_bias", False)
+        super().__init__(hidden, num_heads, config.get("num_key_value_heads") or num_heads,
+                         config.get("head_dim") or hidden // num_heads, rotary, qkv_bias=qkv_bias or bias,
+                         o_bias=bias, qk_norm_eps=config["rms_norm_eps"] if qk_norm else None)
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(GatedMLP):
     def __init__(self, config: dict):
-        super().__init__()
-        hidden, inter = config["hidden_size"], config["intermediate_size"]
-        bias = config.get("mlp_bias", False)
-        self.gate_up_proj = MergedLinear(hidden, [inter, inter], bias, ["gate_proj", "up_proj"],
-                                         defer_part_scales=True)
-        self.down_proj = Linear(inter, hidden, bias)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up, quant_scale = self.gate_up_proj, self.down_proj.fp8_input_scale
-        part_scales = gate_up.part_scales
-        if gate_up.parts is None and part_scales is None and quant_scale is None:
-            return self.down_proj(gate_up.merged(x, silu_mul=True))  # bf16 at one row: SiLU in the GEMV's epilogue
-        up_scale = None if part_scales is None else part_scales[1]
-        return self.down_proj(self.act(gate_up(x), quant_scale, up_scale))
+        super().__init__(config["hidden_size"], config["intermediate_size"], config.get("mlp_bias", False))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -76,13 +37,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
 
     def forward(self, hidden, residual, ctx: StepContext):
-        qkv_scale = self.self_attn.qkv_proj.fp8_input_scale
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden, quant_scale=qkv_scale), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual, qkv_scale)
+        """hidden [T, hidden_size], residual (None before the first layer) -> the next layer's (hidden, residual)."""
+        hidden, residual = self.input_layernorm.forward_into(self.self_attn.qkv_proj, hidden, residual)
         hidden = self.self_attn(hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, self.mlp.gate_up_proj.fp8_input_scale)
+        hidden, residual = self.post_attention_layernorm.forward_into(self.mlp.gate_up_proj, hidden, residual)
         return self.mlp(hidden), residual
 
 

@@ -6,27 +6,17 @@ import numpy as np
 import torch
 
 from lowbit.checkpoint import Checkpoint
-from lowbit.kernels.decode_inputs import merge_pending
-from lowbit.serve.attention import Attention
-from lowbit.serve.config import EngineConfig
-from lowbit.serve.context import StepContext
-from lowbit.serve.kv_pool import gpu_blocks_that_fit, warm_up_peak
-from lowbit.serve.loader import load_model, model_dtype
-from lowbit.serve.scheduler import Batch
+from lowbit.kernels import merge_pending
+from lowbit.serve.layers.attention import Attention
+from lowbit.serve.engine.config import EngineConfig
+from lowbit.serve.runner.block_tables import TABLE_WIDTH_MULTIPLE, BlockTables
+from lowbit.serve.runner.context import StepContext
+from lowbit.serve.runner.kv_cache import allocate_kv_cache
+from lowbit.serve.runner.loader import load_model, model_dtype
+from lowbit.serve.engine.scheduler import Batch
 
 _TORCH = {np.int64: torch.int64, np.int32: torch.int32}  # upload's dtypes
-# Block tables go to the kernels this many entries wide (a multiple): the attention kernels take the row stride as an
-# int argument, which Triton specializes on divisibility by 16, so a width that only grows would compile a new kernel
-# variant (~1 s, mid-run) the first step the longest table reaches 16 * k blocks.
-TABLE_WIDTH_MULTIPLE = 16
 UPLOAD_ALIGN_BYTES = 16
-# Prefills run before the pool is sized, besides the max_num_tokens one that measures the peak: two per row range of
-# the W4 GEMM configs (w4a16._m_bucket: <= 16, <= 32, <= 64, <= 128, <= 512, more), a multiple of 16 and not (Triton
-# specializes integer arguments on divisibility by 16), so no request compiles a kernel for its prompt length (~1-2 s
-# for a 128- or 300-token prompt of an int4_awq engine, benchmarks.md run 41). The larger ones also grow
-# w4_dequant's scratch (W4 layers from w4a16.DEQUANT_MIN_M rows) to its final size before the pool is sized and
-# graphs captured.
-WARM_UP_PREFILLS = (15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 1023)
 
 
 class ModelRunner:
@@ -45,18 +35,14 @@ class ModelRunner:
         if gpu_attention and self.kv_dtype == torch.float8_e4m3fn and bs & (bs - 1):
             raise ValueError(f"block_size {bs}: an FP8 KV cache on the GPU needs a power of two (its V is read "
                              f"block by block)")
-        self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
-        a = self.attn_layers[0]
-        shape = (2, self.num_blocks, config.block_size, a.num_kv_heads, a.head_dim)
-        for layer in self.attn_layers:
-            layer.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, config, self.kv_dtype, self.device)
         self.block_tables = BlockTables(config.max_batch_size, 64)
         self.graphs = None
         if gpu_attention and config.cuda_graphs:
             self.graphs = self._capture_decode_graphs(ckpt.config)
 
     def _capture_decode_graphs(self, model_config: dict):
-        from lowbit.serve.cuda_graphs import DecodeGraphs
+        from lowbit.serve.runner.cuda_graphs import DecodeGraphs
 
         bs = self.config.block_size
         limits = [model_config.get("max_position_embeddings", 4096), self.num_blocks * bs, self.config.max_model_len]
@@ -67,23 +53,6 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.config.max_batch_size, width, num_kv_heads, self.device)
         graphs.capture()
         return graphs
-
-    @property
-    def block_bytes(self) -> int:
-        per_token = sum(2 * m.num_kv_heads * m.head_dim for m in self.attn_layers)
-        return per_token * self.config.block_size * torch.empty((), dtype=self.kv_dtype).element_size()
-
-    def _blocks_that_fit(self) -> int:
-        if self.device.type == "cuda":
-            for n in (n for n in WARM_UP_PREFILLS if n < self.config.max_num_tokens):  # they only build kernels
-                warm_up_peak(self.model, self.attn_layers, n, self.config.block_size, self.kv_dtype, self.device)
-            peak = warm_up_peak(self.model, self.attn_layers, self.config.max_num_tokens, self.config.block_size,
-                                self.kv_dtype, self.device)
-            return gpu_blocks_that_fit(self.block_bytes, self.config.block_size, peak, self.device,
-                                       self.config.kv_cache_fraction or 0.9, self.config.kv_cache_max_tokens)
-        else:
-            budget = _available_ram() * (self.config.kv_cache_fraction or 0.05)
-        return max(1, int(budget // self.block_bytes))
 
     def host_inputs(self, batch: Batch, logit_rows: list[list[int]], pending: "PendingTokens | None" = None
                     ) -> "HostInputs":
@@ -130,8 +99,7 @@ class ModelRunner:
     def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """One host-to-device copy for several int64 / int32 arrays (through pinned memory on CUDA); device views,
         same shapes and dtypes. Each view starts on a 16-byte boundary: Triton specializes kernels on pointer
-        alignment, so views at batch-dependent offsets would compile new variants mid-serving (~1 s each,
-        benchmarks.md run 38)."""
+        alignment, so views at batch-dependent offsets would compile new variants mid-serving (~1 s each)."""
         sizes = [-(-a.nbytes // UPLOAD_ALIGN_BYTES) * UPLOAD_ALIGN_BYTES for a in arrays]
         starts = np.cumsum([0] + sizes).tolist()
         host = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=self.device.type == "cuda")
@@ -180,70 +148,16 @@ class PendingTokens:
     rows: np.ndarray  # [len(batch.seqs)] int64: sequence i's newest token is tokens[rows[i]], or -1: on the host
 
 
-class BlockTables:
-    """The running sequences' block tables as one padded int32 array kept across steps: a row per sequence of the
-    last step, into which a step writes only the blocks a sequence gained. Relies on BlockManager's contract that a
-    held block_table only grows by append (a new allocation is a new list)."""
-
-    def __init__(self, rows: int, cols: int, multiple: int = TABLE_WIDTH_MULTIPLE):
-        self.array = np.zeros((rows, cols), np.int32)
-        self.multiple = multiple  # the width handed out is a multiple of this
-        self.free = list(range(rows - 1, -1, -1))  # rows held by no sequence, popped from the end
-        self.entries: dict[int, list] = {}  # seq_id -> [row, the block_table list written from, blocks written]
-
-    def gather(self, seqs: list) -> np.ndarray:
-        """[len(seqs), longest table rounded up to `multiple`] int32, padded with 0. Sequences absent from this step
-        give up their rows."""
-        old, self.entries = self.entries, {}
-        rows, width = [], 1
-        for seq in seqs:
-            entry = self.entries[seq.seq_id] = old.pop(seq.seq_id, None) or [self._free_row(), None, 0]
-            row, table = entry[0], seq.block_table
-            if entry[1] is not table:  # allocated anew (first step, or after a preemption)
-                entry[1], entry[2] = table, 0
-                self.array[row] = 0
-            if entry[2] < len(table):
-                self._write(row, table, entry[2])
-                entry[2] = len(table)
-            rows.append(row)
-            width = max(width, len(table))
-        self.free += [entry[0] for entry in old.values()]
-        width = -(-width // self.multiple) * self.multiple
-        if width > self.array.shape[1]:
-            self.array = np.pad(self.array, ((0, 0), (0, width - self.array.shape[1])))
-        return self.array[rows, :width]
-
-    def _write(self, row: int, table: list[int], start: int) -> None:
-        if len(table) > self.array.shape[1]:
-            self.array = np.pad(self.array, ((0, 0), (0, len(table))))
-        self.array[row, start:len(table)] = table[start:]
-
-    def _free_row(self) -> int:
-        if not self.free:
-            n = len(self.array)
-            self.array = np.pad(self.array, ((0, max(n, 1)), (0, 0)))
-            self.free = list(range(len(self.array) - 1, n - 1, -1))
-        return self.free.pop()
-
-
 def _use_gpu_attention(on_cuda: bool) -> bool:
     """Installs the Triton attention backend for an engine on CUDA when Triton is there, else the torch one (the
     backend is process-wide: a CPU engine built after a GPU one must not keep the GPU kernels); returns whether the
     Triton backend is in."""
-    from lowbit.kernels._triton import HAS_TRITON
-    from lowbit.serve.attention import TorchAttentionBackend, set_attention_backend
+    from lowbit.kernels import HAS_TRITON
+    from lowbit.serve.layers.attention import TorchAttentionBackend, set_attention_backend
 
     if not (on_cuda and HAS_TRITON):
         set_attention_backend(TorchAttentionBackend())
         return False
-    from lowbit.serve.triton_attention import TritonAttentionBackend
+    from lowbit.serve.layers.triton_attention import TritonAttentionBackend
     set_attention_backend(TritonAttentionBackend())
     return True
-
-
-def _available_ram() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("MemAvailable not found in /proc/meminfo")

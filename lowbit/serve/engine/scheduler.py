@@ -8,8 +8,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
 
-from lowbit.serve.block_manager import BlockManager
-from lowbit.serve.sequence import Sequence, SequenceStatus
+from lowbit.serve.engine.block_manager import BlockManager
+from lowbit.serve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

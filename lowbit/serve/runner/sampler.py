@@ -1,6 +1,6 @@
 """Next-token choice for a batch: greedy, or temperature / top-k / top-p sampling, all rows at once on the logits'
-device. Sampling is a race (lowbit.kernels.sampling): token = argmax(probs / E) with Exp(1) noise E drawn from the
-request's seed and the token's position, so a seeded request gets the same tokens alone or in any batch.
+device. Sampling is a race: token = argmax(probs / E) with Exp(1) noise E (lowbit.kernels.exponential_noise) drawn
+from the request's seed and the token's position, so a seeded request gets the same tokens alone or in any batch.
 
 Logprobs are those of the model's raw distribution (before temperature and truncation), as OpenAI and vLLM report.
 """
@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.kernels.sampling import argmax_rows, exponential_noise
-from lowbit.serve.sampling_params import SamplingParams
+from lowbit.kernels import argmax_rows, exponential_noise
+from lowbit.serve.engine.sampling_params import SamplingParams
 
 TopLogprobs = list[tuple[int, float]]
 _MASK64 = (1 << 64) - 1

@@ -11,9 +11,9 @@ import queue
 import threading
 from itertools import count
 
-from lowbit.serve.engine import Engine
-from lowbit.serve.outputs import RequestOutput
-from lowbit.serve.sampling_params import SamplingParams
+from lowbit.serve.engine.engine import Engine
+from lowbit.serve.engine.outputs import RequestOutput
+from lowbit.serve.engine.sampling_params import SamplingParams
 
 _STOP = object()
 

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_config(args):
     import yaml
 
-    from lowbit.serve.config import EngineConfig
+    from lowbit.serve.engine.config import EngineConfig
 
     values = {}
     if args.config is not None:
@@ -54,11 +54,11 @@ def run(args) -> int:
     try:
         import uvicorn
 
-        from lowbit.serve.api import build_app
+        from lowbit.serve.server.api import build_app
     except ImportError as e:
         raise UserError(f"serving over HTTP needs the serve extra: pip install 'lowbit[serve]' ({e})") from e
-    from lowbit.serve.async_engine import AsyncEngine
-    from lowbit.serve.engine import Engine
+    from lowbit.serve.server.async_engine import AsyncEngine
+    from lowbit.serve.engine.engine import Engine
 
     config = engine_config(args)
     try:

@@ -11,16 +11,16 @@ import numpy as np
 import torch
 
 from lowbit import checkpoint, models
-from lowbit.serve.block_manager import BlockManager
-from lowbit.serve.config import EngineConfig
-from lowbit.serve.detokenizer import Detokenizer, decoder
-from lowbit.serve.metrics import EngineMetrics
-from lowbit.serve.model_runner import ModelRunner, PendingTokens
-from lowbit.serve.outputs import CompletionOutput, RequestOutput
-from lowbit.serve.sampler import SampledLogprobs, Sampler, sampled_logprobs, top_logprobs
-from lowbit.serve.sampling_params import SamplingParams
-from lowbit.serve.scheduler import Batch, Scheduler
-from lowbit.serve.sequence import PENDING, Sequence
+from lowbit.serve.engine.block_manager import BlockManager
+from lowbit.serve.engine.config import EngineConfig
+from lowbit.serve.engine.detokenizer import Detokenizer, decoder
+from lowbit.serve.engine.metrics import EngineMetrics
+from lowbit.serve.runner.model_runner import ModelRunner, PendingTokens
+from lowbit.serve.engine.outputs import CompletionOutput, RequestOutput
+from lowbit.serve.runner.sampler import SampledLogprobs, Sampler, sampled_logprobs, top_logprobs
+from lowbit.serve.engine.sampling_params import SamplingParams
+from lowbit.serve.engine.scheduler import Batch, Scheduler
+from lowbit.serve.engine.sequence import PENDING, Sequence
 
 
 class ContextLengthError(ValueError):
@@ -32,7 +32,7 @@ class Request:
     seq: Sequence
     prompt: str | None
     detokenizer: Detokenizer
-    seed: int  # sampling noise comes from (seed, position): lowbit.serve.sampler
+    seed: int  # sampling noise comes from (seed, position): lowbit.serve.runner.sampler
     max_tokens: int
     prompt_token_ids: list[int]  # shared by every RequestOutput of the request: never mutated
     stream: bool  # False: only the final output is built

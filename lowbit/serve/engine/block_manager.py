@@ -6,7 +6,7 @@ prefix finds it.
 """
 from collections import OrderedDict
 
-from lowbit.serve.sequence import Sequence
+from lowbit.serve.engine.sequence import Sequence
 
 
 class Block:

@@ -1,9 +1,9 @@
 """Decode steps replayed from CUDA graphs, one per batch size in a fixed set (a batch runs in the next size up), and a
 second one for the sizes whose decode attention splits contexts over long_context(size) keys more finely
-(paged_attention.decode_splits), replayed when the batch's longest context is over it.
+(lowbit.kernels.decode_splits), replayed when the batch's longest context is over it.
 
 Each graph reads static input buffers (input ids, positions, slots, context lengths, block tables), which one kernel
-fills before each replay (lowbit.kernels.decode_inputs), and writes the logits of every row; padded rows store
+(lowbit.kernels.load_decode_inputs) fills before each replay, and writes the logits of every row; padded rows store
 nothing (slot -1) and attend to one key of an earlier row's block. Nothing inside a replay synchronises with the
 host. Needs an attention backend whose decode path reads device tensors only.
 Graphs of at most ALL_EARLY_MAX_BATCH rows are captured with every Triton kernel launched early (PDL), so each
@@ -11,16 +11,15 @@ kernel's launch overlaps the one before it.
 """
 import torch
 
-from lowbit.kernels._triton import all_kernels_early
-from lowbit.kernels.decode_inputs import load_decode_inputs
-from lowbit.kernels.paged_attention import decode_splits, long_context
-from lowbit.serve.context import StepContext
+from lowbit.kernels import all_kernels_early, decode_splits, load_decode_inputs, long_context
+from lowbit.serve.runner.context import StepContext
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832,
                  896, 960, 1024)
-ALL_EARLY_MAX_BATCH = 2  # H200 (run 41), replay ms at batch 1 / 2, all early vs only the GEMVs: bf16 4.17 / 4.54 vs
-# 4.30 / 4.62, int4_awq 2.10 / 2.77 vs 2.25 / 2.93, nvfp4 2.46 / 3.03 vs 2.64 / 3.20, fp8 2.80 / 2.83 vs 2.88 / 2.90;
-# at batch 4 and 8 bf16, nvfp4 and fp8 were slower, and at 16-64 every format (run 39)
+# Graphs up to this batch size launch every kernel early (PDL), larger ones only the GEMVs: on the H200 all-early is
+# faster at batch 1 and 2 for every format (bf16, fp8, int4_awq, nvfp4), slower at batch 4-8 for bf16, fp8 and nvfp4
+# and at 16-64 for every format.
+ALL_EARLY_MAX_BATCH = 2
 
 
 class DecodeGraphs:

@@ -1,12 +1,10 @@
-"""Layers of the served models. Each op comes from lowbit.kernels: Triton on the GPU, its torch reference elsewhere."""
-import math
-
+"""Linear layers over checkpoint tensors: one of any quant_algo, and linears sharing an input as one GEMM."""
 import torch
 from torch import nn
 
-from lowbit.kernels import dense_linear, linear as quant_linear
-from lowbit.kernels import prepare_linear, rms_norm, rotary, silu_and_mul
-from lowbit.serve.fuse import fp8_part_scales, merge_linear_tensors
+from lowbit.kernels import prepare_linear
+from lowbit.serve.layers import ops
+from lowbit.serve.layers.merge import fp8_part_scales, merge_linear_tensors
 
 
 class Linear(nn.Module):
@@ -47,15 +45,15 @@ class Linear(nn.Module):
         """silu_mul: this is a merged gate/up layer [..., 2D] and the result silu_and_mul of its output, [..., D]
         (one launch for an unquantized layer at one row on the GPU: the GEMV's epilogue)."""
         if self.algo is None:
-            return dense_linear(x, self.weight, self.bias, silu_mul=silu_mul)
-        y = quant_linear(x, self.prepared, self.bias, out_dtype=self.dtype)
-        return silu_and_mul(y) if silu_mul else y
+            return ops.dense_linear(x, self.weight, self.bias, silu_mul=silu_mul)
+        y = ops.quant_linear(x, self.prepared, self.bias, out_dtype=self.dtype)
+        return ops.silu_and_mul(y) if silu_mul else y
 
 
 class MergedLinear(nn.Module):
     """Linears that share their input (q/k/v, gate/up), run as one GEMM; the output is their outputs side by side.
 
-    `load(parts)` merges the checkpoint tensors (lowbit.serve.fuse); where they cannot be merged (mixed formats,
+    `load(parts)` merges the checkpoint tensors (lowbit.serve.layers.merge); where they cannot be merged (mixed formats,
     unequal shared scales) each part keeps its own Linear and the outputs are concatenated.
     defer_part_scales: the caller multiplies part i's output by part_scales[i]. FP8 parts with unequal weight scales
     then merge with part 0's scale, so the GEMM runs per-tensor (faster than row-wise on the GPU); part_scales is
@@ -99,67 +97,3 @@ class MergedLinear(nn.Module):
         if self.parts is None:
             return self.merged(x)
         return torch.cat([part(x) for part in self.parts], dim=-1)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, quant_scale: torch.Tensor | None = None):
-        """Returns normed(x + residual) and, when residual is given, the new residual x + residual.
-
-        quant_scale: the next layer's static FP8 input_scale; the normed output is then float8_e4m3fn (out / scale).
-        """
-        out, res = rms_norm(x, self.weight, self.eps, residual, quant_scale)
-        return out if residual is None else (out, res)
-
-
-class SiluAndMul(nn.Module):
-    def forward(self, gate_up: torch.Tensor, quant_scale: torch.Tensor | None = None,
-                up_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """gate_up [T, 2 * inter] -> silu(gate) * up [T, inter] (float8_e4m3fn, out / quant_scale, if given).
-
-        up_scale: fp32 0-d, multiplies up first (a merged gate/up layer's deferred part_scales[1]).
-        """
-        return silu_and_mul(gate_up, quant_scale, up_scale)
-
-
-def rope_inv_freq(config: dict, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] for rope_type default, linear or llama3 (HF config conventions)."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    dim = int(head_dim * config.get("partial_rotary_factor", 1.0))
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / params["factor"]
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, params)
-    raise ValueError(f"rope_type {rope_type!r} is not supported")
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
-    factor, low, high, old = p["factor"], p["low_freq_factor"], p["high_freq_factor"], p["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
-    smooth = (old / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old / high) & (wavelen <= old / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos_sin_cache [max_positions, head_dim]: cos in the first half, sin in the second (float32)."""
-
-    def __init__(self, config: dict, head_dim: int, max_positions: int):
-        super().__init__()
-        inv_freq = rope_inv_freq(config, head_dim)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return rotary(q, k, positions, self.cos_sin_cache)

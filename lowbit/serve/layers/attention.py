@@ -3,17 +3,15 @@ the fused QKV rows and store K/V, in one; attend).
 
 kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim], in the model dtype or float8_e4m3fn. With FP8, the
 stored value is k / k_scale (v / v_scale), the checkpoint's per-layer scalars, and V is stored transposed within
-each block (lowbit.kernels.paged_attention). The torch reference below runs
-everywhere; a GPU backend (Triton, issue 7) replaces it by implementing the same three functions.
+each block (lowbit.kernels' paged attention). The torch reference below runs
+everywhere; a GPU backend (layers.triton_attention) replaces it by implementing the same three functions.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit.kernels.norm import quantize_fp8_ref
-from lowbit.kernels.paged_attention import gather_kv, store_kv_ref
-from lowbit.kernels.rotary import rotary_qk_ref
-from lowbit.serve.context import StepContext
+from lowbit.kernels import gather_kv, quantize_fp8_ref, rotary_qk_ref, store_kv_ref
+from lowbit.serve.runner.context import StepContext
 
 
 class TorchAttentionBackend:

@@ -2,8 +2,8 @@
 import torch
 
 from lowbit.checkpoint import Checkpoint
-from lowbit.serve.attention import Attention
-from lowbit.serve.layers import Linear, MergedLinear
+from lowbit.serve.layers.attention import Attention
+from lowbit.serve.layers.linear import Linear, MergedLinear
 from lowbit.serve.models import model_class
 
 LINEAR_SUFFIXES = ("weight", "bias", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")

@@ -3,7 +3,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from lowbit.serve.sampling_params import SamplingParams
+from lowbit.serve.engine.sampling_params import SamplingParams
 
 
 class APIError(Exception):

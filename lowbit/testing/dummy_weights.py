@@ -1,7 +1,7 @@
 """`--load-format dummy`: a checkpoint of random weights at a real model's shapes, built on the device as it loads.
 
 Nothing is read from disk: `DummyCheckpoint.tensors()` is a lazy mapping that draws one linear module's float
-weight on the GPU (seeded by its name), quantizes it to the format with lowbit.kernels.synthetic, and hands its
+weight on the GPU (seeded by its name), quantizes it to the format with lowbit.testing.synthetic, and hands its
 tensors out once each, so at most one module's source tensors exist beside the prepared model.
 """
 import zlib
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from lowbit.checkpoint import Checkpoint
-from lowbit.kernels.synthetic import quantize_linear
+from lowbit.testing.synthetic import quantize_linear
 
 LLAMA_3_1_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,

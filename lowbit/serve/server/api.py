@@ -13,10 +13,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from lowbit.serve.async_engine import AsyncEngine, EngineDeadError
-from lowbit.serve.engine import ContextLengthError
-from lowbit.serve.outputs import RequestOutput
-from lowbit.serve.protocol import APIError, ChatRequest, CompletionRequest
+from lowbit.serve.server.async_engine import AsyncEngine, EngineDeadError
+from lowbit.serve.engine.engine import ContextLengthError
+from lowbit.serve.engine.outputs import RequestOutput
+from lowbit.serve.server.protocol import APIError, ChatRequest, CompletionRequest
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:

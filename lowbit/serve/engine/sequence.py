@@ -2,7 +2,7 @@
 from enum import Enum, auto
 from itertools import count
 
-from lowbit.serve.sampling_params import SamplingParams
+from lowbit.serve.engine.sampling_params import SamplingParams
 
 
 PENDING = -1  # a sampled token still on the GPU (overlapped steps): its slot in token_ids, filled one step later

@@ -1,6 +1,6 @@
-"""The GPU attention backend behind serve.attention's store_kv / rotary_store_kv / attend:
-lowbit.kernels.paged_attention (KV store, decode), lowbit.kernels.rotary_kv (rotary fused into the KV store) and
-lowbit.kernels.paged_prefill (prefill, extend).
+"""The GPU attention backend behind layers.attention's store_kv / rotary_store_kv / attend: lowbit.kernels'
+store_kv and paged_decode (KV store, decode), rotary_store_kv (rotary fused into the KV store) and paged_prefill
+(prefill, extend).
 
 Decode steps read only device tensors (graph-capturable); other steps size their grid from the host query lengths.
 A mixed step (the scheduler puts decodes first, then prefill chunks) runs its leading one-token sequences through
@@ -9,10 +9,8 @@ sequence, so a one-token row would waste most of each tile while streaming the s
 """
 import torch
 
-from lowbit.kernels import paged_attention as pa
-from lowbit.kernels.paged_prefill import paged_prefill
-from lowbit.kernels.rotary_kv import rotary_store_kv
-from lowbit.serve.context import StepContext
+from lowbit.kernels import decode_splits, paged_decode, paged_prefill, rotary_store_kv, store_kv
+from lowbit.serve.runner.context import StepContext
 
 
 def leading_single_tokens(query_lens: list[int]) -> int:
@@ -26,7 +24,7 @@ def leading_single_tokens(query_lens: list[int]) -> int:
 class TritonAttentionBackend:
     @staticmethod
     def store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale) -> None:
-        pa.store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+        store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
     @staticmethod
     def rotary_store_kv(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales, kv_cache,
@@ -37,11 +35,11 @@ class TritonAttentionBackend:
     @staticmethod
     def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None) -> torch.Tensor:
         n = len(ctx.query_lens_cpu) if ctx.is_decode else leading_single_tokens(ctx.query_lens_cpu)
-        splits = pa.decode_splits(n, kv_cache.shape[3]) if n else 0
+        splits = decode_splits(n, kv_cache.shape[3]) if n else 0
         if splits > 1:  # a small batch (few lengths to scan): its longest context may call for more splits
-            splits = pa.decode_splits(n, kv_cache.shape[3], max(ctx.context_lens_cpu[:n]))
+            splits = decode_splits(n, kv_cache.shape[3], max(ctx.context_lens_cpu[:n]))
         if n == len(ctx.query_lens_cpu):  # decodes, or one-token prompt chunks only: one row per sequence
-            return pa.paged_decode(q, kv_cache, ctx.block_tables, ctx.context_lens, scale, k_scale, v_scale,
+            return paged_decode(q, kv_cache, ctx.block_tables, ctx.context_lens, scale, k_scale, v_scale,
                                    num_splits=splits, out_scale=out_scale)
         if n == 0:
             return paged_prefill(q, kv_cache, ctx.query_start_loc, ctx.context_lens, ctx.block_tables,
@@ -50,6 +48,6 @@ class TritonAttentionBackend:
         # entries still count from row 0, and leaves rows [0, n) of its output to the decode kernel
         out = paged_prefill(q, kv_cache, ctx.query_start_loc[n:], ctx.context_lens[n:], ctx.block_tables[n:],
                             max(ctx.query_lens_cpu[n:]), scale, k_scale, v_scale, out_scale)
-        out[:n] = pa.paged_decode(q[:n], kv_cache, ctx.block_tables[:n], ctx.context_lens[:n], scale, k_scale,
+        out[:n] = paged_decode(q[:n], kv_cache, ctx.block_tables[:n], ctx.context_lens[:n], scale, k_scale,
                                   v_scale, num_splits=splits, out_scale=out_scale)
         return out

@@ -1,0 +1,1 @@
+"""The engine loop and its torch-free parts: requests, sequences, block manager, scheduler, outputs."""

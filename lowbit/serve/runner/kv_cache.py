@@ -1,0 +1,99 @@
+"""The KV cache: sized from free memory (like TensorRT-LLM's KvCacheConfig), then allocated, one tensor per layer.
+
+Each attention layer's cache is [2, num_blocks, block_size, num_kv_heads, head_dim] in the KV dtype (the model dtype
+or float8_e4m3fn). On the GPU, blocks = free_gpu_memory_fraction x (memory free after the weights and a warm-up
+forward of max_num_tokens, less that forward's activation peak) / bytes per block, capped by max_tokens; on the CPU,
+a fraction of the available RAM.
+"""
+import torch
+
+from lowbit.serve.engine.config import EngineConfig
+from lowbit.serve.runner.context import StepContext
+
+# Prefills run before the pool is sized, besides the max_num_tokens one that measures the peak: two per row range of
+# the W4 GEMM configs (w4a16._m_bucket: <= 16, <= 32, <= 64, <= 128, <= 512, more), a multiple of 16 and not (Triton
+# specializes integer arguments on divisibility by 16), so no request compiles a kernel for its prompt length (a
+# compile stalls a request ~1-2 s). The larger ones also grow w4_dequant's scratch (W4 layers from
+# w4a16.DEQUANT_MIN_M rows) to its final size before the pool is sized and graphs captured.
+WARM_UP_PREFILLS = (15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 1023)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def allocate_kv_cache(model, attn_layers, config: EngineConfig, kv_dtype: torch.dtype, device: torch.device) -> int:
+    """Gives every attention layer its cache of config.num_kv_blocks blocks, or of as many as fit; returns that
+    number of blocks."""
+    num_blocks = config.num_kv_blocks or blocks_that_fit(model, attn_layers, config, kv_dtype, device)
+    a = attn_layers[0]
+    shape = (2, num_blocks, config.block_size, a.num_kv_heads, a.head_dim)
+    for layer in attn_layers:
+        layer.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
+    return num_blocks
+
+
+def bytes_per_block(attn_layers, block_size: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of one block across every layer's K and V."""
+    per_token = sum(2 * m.num_kv_heads * m.head_dim for m in attn_layers)
+    return per_token * block_size * torch.empty((), dtype=kv_dtype).element_size()
+
+
+def blocks_that_fit(model, attn_layers, config: EngineConfig, kv_dtype: torch.dtype, device: torch.device) -> int:
+    """GPU: after the warm-up prefills, kv_cache_fraction (default 0.9) of the free memory less the activation peak,
+    capped by kv_cache_max_tokens; CPU: kv_cache_fraction (default 0.05) of the available RAM."""
+    nbytes = bytes_per_block(attn_layers, config.block_size, kv_dtype)
+    if device.type == "cuda":
+        for n in (n for n in WARM_UP_PREFILLS if n < config.max_num_tokens):  # they only build kernels
+            warm_up_peak(model, attn_layers, n, config.block_size, kv_dtype, device)
+        peak = warm_up_peak(model, attn_layers, config.max_num_tokens, config.block_size, kv_dtype, device)
+        return gpu_blocks_that_fit(nbytes, config.block_size, peak, device, config.kv_cache_fraction or 0.9,
+                                   config.kv_cache_max_tokens)
+    budget = _available_ram() * (config.kv_cache_fraction or 0.05)
+    return max(1, int(budget // nbytes))
+
+
+def warm_up_peak(model, attn_layers, num_tokens: int, block_size: int, kv_dtype, device) -> int:
+    """Runs one prefill of num_tokens through a temporary KV pool; returns its activation peak in bytes."""
+    a = attn_layers[0]
+    nblk = cdiv(num_tokens, block_size)
+    for layer in attn_layers:
+        layer.kv_cache = torch.zeros(2, nblk, block_size, a.num_kv_heads, a.head_dim, dtype=kv_dtype, device=device)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    ctx = StepContext(positions=torch.arange(num_tokens, device=device),
+                      slot_mapping=torch.arange(num_tokens, device=device),
+                      query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+                      context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+                      block_tables=torch.arange(nblk, dtype=torch.int32, device=device)[None],
+                      logits_indices=torch.tensor([num_tokens - 1], device=device), is_decode=False,
+                      query_lens_cpu=[num_tokens], context_lens_cpu=[num_tokens])
+    with torch.inference_mode():
+        model.compute_logits(model(torch.zeros(num_tokens, dtype=torch.int64, device=device), ctx)[-1:])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    for layer in attn_layers:
+        layer.kv_cache = None
+    torch.cuda.empty_cache()
+    return peak
+
+
+def gpu_blocks_that_fit(block_bytes: int, block_size: int, activation_peak: int, device,
+                        free_gpu_memory_fraction: float = 0.9, max_tokens: int | None = None) -> int:
+    free = torch.cuda.mem_get_info(device)[0]
+    blocks = int(max(0, free - activation_peak) * free_gpu_memory_fraction // block_bytes)
+    if max_tokens is not None:
+        blocks = min(blocks, cdiv(max_tokens, block_size))
+    if blocks < 1:
+        raise RuntimeError(f"no room for a KV block: {free / 2**30:.1f} GiB free, activation peak "
+                           f"{activation_peak / 2**30:.1f} GiB")
+    return blocks
+
+
+def _available_ram() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not found in /proc/meminfo")
