@@ -50,6 +50,16 @@ def use_triton(x: torch.Tensor) -> bool:
     return HAS_TRITON and (x.is_cuda or interpreting())
 
 
+_CAPABILITY: dict = {}  # torch.device -> its CUDA capability
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (asked once per device)."""
+    if device not in _CAPABILITY:
+        _CAPABILITY[device] = torch.cuda.get_device_capability(device)
+    return _CAPABILITY[device]
+
+
 _PDL_ON: bool | None = None  # decided once, at the first compiled launch (every launch asks)
 
 

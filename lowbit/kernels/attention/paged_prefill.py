@@ -1,49 +1,18 @@
 """Prefill / extend attention over paged KV (also chunked prefill), the query heads of one KV head in one program.
 
-Same contract as lowbit.kernels.paged_attention.paged_prefill_ref. A program takes BLOCK_T new tokens of one
+Same contract as lowbit.kernels.attention.paged_attention.paged_prefill_ref. A program takes BLOCK_T new tokens of one
 sequence times the G query heads that share a KV head, G padded to a power of two GP: M = BLOCK_T * GP rows
 [token-major: row r = token r // GP, head r % GP; heads >= G masked], so each K/V tile is loaded (and, for an FP8
 cache, converted) once for G heads. Keys below the tile's first query position are visible to every row: those
 tiles run without the causal mask; only the last tiles (at most ceil(BLOCK_T / BLOCK_N) + 1) are masked.
 """
-from typing import NamedTuple
-
 import torch
 
+from lowbit.kernels import tuning
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, wait_for_producers
-from lowbit.kernels.paged_attention import (LOG2E, _block_ids, _kv_blocks, _kv_tile, _output, _scale_tensor,
-                                            _softmax_step, block_gather_fits)
-
-
-class PrefillTiles(NamedTuple):
-    block_t: int  # new tokens per program (rows = block_t * GP)
-    block_n: int  # keys per tile
-    warps: int
-    stages: int
-    blocks: bool = False  # K/V gathered block by block (as paged_attention's decode), else row by row
-    dot_acc: bool = False  # P.V accumulates inside the dot (acc * alpha as its accumulator), V's scale once at the end
-    heavy_first: bool = False  # grid (kv head, seq, tile) with the last token tiles (most keys) launched first
-
-
-# By (FP8 cache, longest new sequence > 256 tokens). H200 sweeps at Llama-8B heads, shuffled block tables
-# (`python3 bench/prefill_tiles.py`, docs/benchmarks.md runs 12, 14 and 33), us per launch:
-#                          bf16 4x2048/2048  4x512/2048  64x128/128 | fp8 4x2048/2048  4x512/2048  64x128/128
-#   (16, 64, 4, 3)             410           187         110        |     587          264         112
-#   (16, 64, 4, 3) blocks      437           203          99        |     595          272         111
-#   (32, 128, 8, 3)            437           191         144        |     535          234         144
-#   (64, 64, 8, 3) acc heavy   381           168         113        |     477          211         114
-#   (32, 64, 4, 3) acc heavy   403           174         117        |     473          209         108
-# M = 256 rows (64 tokens x 4 heads) needs dot_acc: without it FP8 took 770 us. The block-wise gather wins only for
-# bf16 KV and short prompts. S = q8.K^T on FP8 tensor cores (q quantized per row) took 407 us at 4x2048/2048 for ~10x
-# the FP8 cache's error: not adopted (experiments/prefill-fp8-qk.mbox).
-# An FP8 cache stores V transposed per block (paged_attention's module docstring; FP8 decode streams ~15 % faster
-# from it) and its tiles read V block by block. FP8 prefill lost ~9 % to that layout (run 36, 4x2048/2048): V^T
-# tiles, blocks + dot_acc + heavy_first: (32, 64, 4, 3) 559 us, (64, 64, 8, 3) 515, (16, 64, 4, 3) 718, (32, 128,
-# 8, 3) 663; the row-wise gather reads V^T a byte at a time (592 us); without dot_acc 848.
-CONFIG = {(False, False): PrefillTiles(16, 64, 4, 3, blocks=True),
-          (False, True): PrefillTiles(64, 64, 8, 3, dot_acc=True, heavy_first=True),
-          (True, False): PrefillTiles(64, 64, 8, 3, blocks=True, dot_acc=True, heavy_first=True),
-          (True, True): PrefillTiles(64, 64, 8, 3, blocks=True, dot_acc=True, heavy_first=True)}
+from lowbit.kernels.attention.paged_attention import (LOG2E, _block_ids, _kv_blocks, _kv_tile, _output, _scale_tensor,
+                                                      _softmax_step, block_gather_fits)
+from lowbit.kernels.tuning import PrefillTiles
 
 
 @helper
@@ -130,7 +99,7 @@ def paged_prefill(q, kv_cache, query_start_loc, context_lens, block_tables, max_
     os_ = _scale_tensor(out_scale, q.device) if out_scale is not None else q
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     ks, vs = (_scale_tensor(k_scale, q.device), _scale_tensor(v_scale, q.device)) if fp8 else (q, q)
-    tiles = PrefillTiles(*(config or CONFIG[fp8, max_query_len > 256]))
+    tiles = PrefillTiles(*(config or tuning.current().prefill_tiles[fp8, max_query_len > 256]))
     block_t = max(tiles.block_t, 16 // gp)  # tl.dot needs >= 16 rows
     blocks = tiles.blocks and block_gather_fits(tiles.block_n, bs)
     grid = (cdiv(max_query_len, block_t), block_tables.shape[0], hk)

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from lowbit.checkpoint.formats import dequantize_weight, quantize_activation
-from lowbit.kernels import w4a16, w8a8
+from lowbit.kernels.linear import w4a16, w8a8
 from lowbit.kernels._triton import on_gpu
-from lowbit.kernels.dense_gemv import dense_linear
+from lowbit.kernels.linear.dense_gemv import dense_linear
 
 PLAIN_ALGOS = (None, "bf16", "BF16", "fp16", "FP16", "none")
 W8A8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "W8A8_SQ_PER_CHANNEL")

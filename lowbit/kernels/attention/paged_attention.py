@@ -1,5 +1,5 @@
 """Paged attention over one KV tensor per layer: KV store and decode (split along the context); the references of
-decode and prefill/extend (whose kernel is lowbit.kernels.paged_prefill) and the tile helpers both kernels share.
+decode and prefill/extend (whose kernel is lowbit.kernels.attention.paged_prefill) and the tile helpers both kernels share.
 
 kv_cache [2, num_blocks, block_size, Hk, D], model dtype or float8_e4m3fn holding k / k_scale (v / v_scale).
 Token p of sequence b lives in slot block_tables[b, p // block_size] * block_size + p % block_size. An FP8 cache
@@ -10,79 +10,23 @@ Grouped-query: query head h reads KV head h // (Hq // Hk). Every op has a torch 
 Launchers take device tensors only (no host sync), so decode can be captured in a CUDA graph.
 With out_scale (the o_proj's static FP8 input scale) decode and prefill write their output as float8_e4m3fn.
 """
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
+from lowbit.kernels import tuning
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, wait_for_producers
-from lowbit.kernels.norm import quantize_fp8_ref
+from lowbit.kernels.ops.norm import quantize_fp8_ref
+from lowbit.kernels.tuning import DecodeVariant
 
 FP8_MAX = 448.0
 
 
-class DecodeVariant(NamedTuple):
-    """How paged_decode runs one launch."""
-    block_n: int  # tokens per tile
-    warps: int
-    stages: int  # Triton software-pipelining stages (1: none)
-    # one block-table id per cache block: tiles [block_n / block_size, block_size, D], 64-bit address math per block,
-    # rows past the context clamped to its last token (no load masks), next tile's ids loaded during this tile's math;
-    # an FP8 cache needs it (its V, stored transposed per block, is read block by block)
-    blocks: bool = False
-    maxnreg: int | None = None  # a register cap per thread (Triton's maxnreg), None: the compiler's choice
-
-
-# Decode tiles. H200 sweeps at Llama-8B heads, shuffled block tables (`python3 bench/attention_tiles.py`,
-# docs/benchmarks.md runs 13-14 and 36), us per launch, FP8 KV unless noted:
-#                 512x1500  256x200      512x200  256x1024  64x4096  1x4096  1x32768 (batch x context)
-#   rows128       615-617   71-72        132      218       221                       (runs 13-14)
-#   blk128w2      467-469   55 (82 once) 93-94    170       168                       (V token-major, runs 13-14)
-#   bf16 rows64   718-733   74-75        128-130  257-263   252-257  18.6    72.5     (4.3-4.4 TB/s at 512x1500)
-# Run 36, V stored transposed per block (its token dim contiguous): Triton then copies the K and V tiles to shared
-# memory asynchronously (cp.async, software-pipelined) and loads them straight into the MMA operand layout, with
-# no register transpose of V; 122-178 registers instead of 199 (bench/offline_compile.py; Nsight Compute: the
-# token-major kernel ran 2 warps per scheduler at 65 % of cycles with no eligible warp, stalled on its global loads).
-#   blk128w2 (V^T, 1 stage)    471.1  54.7  94.6  170.6  165.5  24.8  73.8
-#   blk64w2s3 (V^T, 3 stages)  400.4  49.4  82.0  148.5  143.7  25.8  56.0   (3.95 TB/s at 512x1500)
-#   blk64w4s3 / blk32w4s4      546.5 / 540.7 at 512x1500; 8 warps 770-785 (run 36)
-# Run 38 (one call, same card): blk64w2s3 409.2 49.0 81.9 151.6 146.5; blk32w2s3 (121 registers, 4 warps per
-# scheduler) 393.3 45.1 74.7 144.4 163.1: 32-token tiles win wherever 2048+ programs fill the card, lose at 64 x 4096;
-# blk32w2s4, blk64w2s4 and a 168-register cap on blk64w2s3 gained nowhere.
-# Lost everywhere before: bit-trick e4m3 -> fp16 by integer ops (+30 %), K/V converted right after the loads,
-# register prefetch of the next tile, 8 warps, 64-token tiles without pipelining.
-DECODE_VARIANTS = {
-    "rows64": DecodeVariant(64, 4, 3),  # bf16 KV
-    "blk128w2": DecodeVariant(128, 2, 1, blocks=True),  # FP8 KV, the default until run 37
-    "blk64w2s3": DecodeVariant(64, 2, 3, blocks=True),  # FP8 KV, fewer than FULL_GRID programs
-    "blk32w2s3": DecodeVariant(32, 2, 3, blocks=True),  # FP8 KV, FULL_GRID programs or more
-}
-FULL_GRID = 2048  # batch x KV heads from which FP8 decode takes 32-token tiles (run 38: 256 x 8 and up)
-
-
 def decode_variant(batch: int, num_kv_heads: int, fp8: bool) -> DecodeVariant:
     """The tiles for a decode launch: from shapes only, so one CUDA graph per batch size stays valid."""
+    t = tuning.current()
     if not fp8:
-        return DECODE_VARIANTS["rows64"]
-    return DECODE_VARIANTS["blk32w2s3" if batch * num_kv_heads >= FULL_GRID else "blk64w2s3"]
-
-
-MAX_SPLITS = 16
-TARGET_PROGRAMS = 264  # 2 per SM on the H200's 132 SMs
-# Past LONG_CONTEXT keys a small batch takes more splits: ~4 programs per SM. H200, `python3 bench/decode_splits.py`
-# (benchmarks.md run 40), us per call at context 2048 / 3072 / 4096 / 32768, FP8 KV (bf16 KV alike), splits
-# short -> long:
-#   batch 1 (16 -> 64)   7.6 / 9.0 / 10.1 / 48.2 -> 8.4 / 8.6 / 9.2 / 27.2
-#   batch 2 (16 -> 32)   8.2 / 9.7 / 11.0 / 53.6 -> 9.1 / 10.1 / 10.7 / 44.6
-#   batch 8 (5 -> 8)     15.6 / 23.2 / 29.7 / 180.8 -> 13.6 / 18.9 / 25.9 / 140.4
-# Below ~3072 keys the idle programs and the wider combine cost more than the extra splits gain at batch 1-2.
-# Larger batches gain earlier (run 41, short -> long, bf16 / FP8 KV): batch 4 at 1536 keys 11.5 / 9.7 -> 11.2 / 9.6
-# (at 1024 about even), batch 6 at 1536 15.1 / 13.2 -> 14.6 / 11.8, batch 8 at 1024 13.5 / 11.0 -> 12.4 / 10.0,
-# batch 16 at 512 13.4 / 11.4 -> 12.9 / 10.6; batch 3 loses up to 2048 (11.8 / 9.8 -> 13.0 / 10.5).
-LONG_CONTEXT = 3072  # up to batch 3; long_context(batch) for any batch
-MAX_SPLITS_LONG = 64
-TARGET_PROGRAMS_LONG = 512
-COMBINE_ROWS = 64  # partial rows the combine holds at once ([COMBINE_ROWS, D] fp32 over 4-8 warps)
+        return t.decode_variants["rows64"]
+    return t.decode_variants["blk32w2s3" if batch * num_kv_heads >= t.decode_full_grid else "blk64w2s3"]
 
 
 # ---- cache layout and references
@@ -409,16 +353,18 @@ LOG2E = 1.4426950408889634
 
 def long_context(batch: int) -> int:
     """Keys past which a batch of this many sequences takes decode_splits' long-context split count."""
-    return LONG_CONTEXT if batch <= 3 else 1024 if batch <= 6 else 512
+    return next(keys for max_batch, keys in tuning.current().decode_long_context if max_batch is None or
+                batch <= max_batch)
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_context: int = 0) -> int:
     """Context splits per (sequence, KV head): enough programs to fill the GPU; more of them for a small batch with
     a context over long_context(batch) (max_context: the longest in the batch). CUDA graphs key on the result."""
-    splits = max(1, min(MAX_SPLITS, cdiv(TARGET_PROGRAMS, batch * num_kv_heads)))
+    t = tuning.current()
+    splits = max(1, min(t.decode_max_splits, cdiv(t.decode_target_programs, batch * num_kv_heads)))
     if max_context <= long_context(batch) or splits == 1:
         return splits
-    return min(MAX_SPLITS_LONG, cdiv(TARGET_PROGRAMS_LONG, batch * num_kv_heads))
+    return min(t.decode_max_splits_long, cdiv(t.decode_target_programs_long, batch * num_kv_heads))
 
 
 def block_gather_fits(block_n: int, block_size: int) -> bool:
@@ -456,9 +402,11 @@ def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scal
                                  BLOCKS=blocks, num_warps=cfg.warps, num_stages=cfg.stages,
                                  **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if s > 1:
-        sp = MAX_SPLITS if s <= MAX_SPLITS else next_pow2(max(s, MAX_SPLITS_LONG))  # two variants, both built by
+        t = tuning.current()
+        sp = t.decode_max_splits if s <= t.decode_max_splits else next_pow2(max(s, t.decode_max_splits_long))  # two
+        # variants, both built by
         # the decode graphs' warm-ups (an eager mixed step with another split count compiles nothing mid-run)
         _combine_kernel[(bsz * hq,)](part, lse, context_lens, os_, out, s, HQ=hq, D=d, SP=sp, BLOCK_N=cfg.block_n,
-                                     COMBINE_ROWS=min(COMBINE_ROWS, sp), model_dtype=_tl_dtype(q.dtype),
+                                     COMBINE_ROWS=min(t.decode_combine_rows, sp), model_dtype=_tl_dtype(q.dtype),
                                      QUANT_OUT=out_scale is not None, num_warps=4 if sp <= 16 else 8)
     return out

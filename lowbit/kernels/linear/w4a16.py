@@ -17,24 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.checkpoint.formats import NVFP4_BLOCK, nvfp4_dequantize, unpack_e2m1, unpack_int4_rows
-from lowbit.kernels import split_k, w4_dequant, w4_gemv, w4_mma, w4_small_m
+from lowbit.kernels import routes, tuning
+from lowbit.kernels.linear import split_k, w4_dequant, w4_gemv, w4_mma, w4_small_m
 from lowbit.kernels._triton import cdiv, helper, interpreting, kernel, next_pow2, tl, use_triton, wait_for_producers
 
 PACK_K = 128
-NUM_SMS = 132  # H200; only steers the split-K heuristic
-# Per format, from this M on w4a16_gemm dequantizes into a 16-bit scratch and runs cuBLAS (w4_dequant). H200, per
-# token of Llama-3.1-8B's linears, the tensor-core kernel against the dequant path (bench/w4_mid_m_bench.py,
-# benchmarks.md run 47 call 2): INT4 9.23 vs 10.83 ms at M = 256, 14.90 vs 12.83 at 384 (three 128-row tiles);
-# NVFP4 7.50 vs 10.22 at 128, 14.09 vs 10.84 at 192 (two tiles)
-DEQUANT_MIN_M = {"int4": 257, "nvfp4": 129}
-# Per format, the (lowest, highest) M that w4a16_gemm runs on w4_mma (NVFP4, INT4 groups of 128 or more; 16-bit x)
-# ahead of the other kernels. H200, per token of Llama-3.1-8B's linears (bench/w4_mma_bench.py, benchmarks.md run 46):
-# INT4 at M = 2 / 4 / 8 2.11 / 2.19 / 2.47 ms against 2.32 / 2.97 / 3.00 routed otherwise, but 3.48 against 3.08 at
-# M = 16 and 2.07 against the GEMV's 1.56 at M = 1; NVFP4 2.51 / 2.57 / 2.66 at M = 2 / 4 / 8 against 2.59 / 4.33 /
-# 4.35, and 2.49 against 1.90 at M = 1. At M = 16 NVFP4 was 3.82 against 4.36 there, but the tensor-core kernel's
-# byte dequantization (run 47 call 2) now takes 3.22 against w4_mma's 3.61
-MMA_ROWS = {"int4": (2, 8), "nvfp4": (2, 8)}
-PREFETCH_SCALES = True  # the tensor-core kernel loads the next K tile's INT4 row scales during this one
 
 
 @dataclass
@@ -245,8 +232,7 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K,
     for t in range(t_begin, t_end):
         # INT4's row scales are plain loads used after the dot (Triton's pipeline copies only the dot's operands
         # ahead): PREFETCH loads the next tile's during this one. NVFP4's feed the operand, and Triton already
-        # loads them an iteration ahead (H200, benchmarks.md run 47 call 5: INT4 1-3 % faster at M = 16-64,
-        # NVFP4 1-15 % slower with it)
+        # loads them an iteration ahead (on the H200 NVFP4 is 1-15 % slower with it)
         if PREFETCH and row_scale:
             sc = sc_next
             sc_next = _tile_scales(s_ptr, tl.minimum(t + 1, t_end - 1), n_rows, N, GROUP, IS_FP4, row_scale)
@@ -261,79 +247,17 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K,
     split_k.store_out_t(acc, out_ptr, bias_ptr, pid_k, M, N, offs_m, offs_n, n_rows, global_scale, HAS_BIAS)
 
 
-# (fmt, KP, N, M bucket) -> (BLOCK_M, BLOCK_N, split, num_warps, num_stages): winners of H200 sweeps for the
-# Llama-3.1-8B linear shapes. Buckets 1, 16, 4096: `bench/kernels.py --sweep` (2026-11-30, docs/kernels_notes.md), on
-# the kernel's earlier dequantization; 32-256: `bench/w4_mid_m_bench.py` at M = 32 / 64 / 128 / 256 (2026-12-02,
-# benchmarks.md run 47), on today's.
-TUNED = {
-    ("int4", 4096, 4096, 1): (16, 64, 8, 4, 3),
-    ("int4", 4096, 4096, 16): (16, 64, 8, 4, 3),
-    ("int4", 4096, 4096, 32): (32, 64, 4, 4, 3),
-    ("int4", 4096, 4096, 64): (64, 64, 4, 4, 3),
-    ("int4", 4096, 4096, 128): (128, 64, 4, 4, 3),
-    ("int4", 4096, 4096, 256): (128, 64, 2, 4, 3),
-    ("int4", 4096, 4096, 4096): (128, 128, 1, 8, 3),
-    ("int4", 4096, 6144, 1): (16, 64, 4, 4, 3),
-    ("int4", 4096, 6144, 16): (16, 64, 4, 4, 3),
-    ("int4", 4096, 6144, 32): (32, 64, 4, 4, 3),
-    ("int4", 4096, 6144, 64): (64, 64, 4, 4, 3),
-    ("int4", 4096, 6144, 128): (128, 64, 4, 4, 3),
-    ("int4", 4096, 6144, 256): (128, 64, 2, 4, 3),
-    ("int4", 4096, 6144, 4096): (128, 128, 1, 8, 3),
-    ("int4", 4096, 28672, 1): (16, 128, 4, 8, 3),
-    ("int4", 4096, 28672, 16): (16, 64, 4, 4, 3),
-    ("int4", 4096, 28672, 32): (32, 64, 1, 4, 3),
-    ("int4", 4096, 28672, 64): (64, 64, 2, 4, 3),
-    ("int4", 4096, 28672, 128): (128, 64, 1, 4, 3),
-    ("int4", 4096, 28672, 256): (128, 64, 1, 4, 3),
-    ("int4", 4096, 28672, 4096): (128, 128, 1, 8, 3),
-    ("int4", 14336, 4096, 1): (16, 64, 8, 4, 3),
-    ("int4", 14336, 4096, 16): (16, 64, 8, 4, 3),
-    ("int4", 14336, 4096, 32): (32, 64, 8, 4, 3),
-    ("int4", 14336, 4096, 64): (64, 64, 4, 4, 3),
-    ("int4", 14336, 4096, 128): (128, 64, 4, 4, 3),
-    ("int4", 14336, 4096, 256): (128, 64, 2, 4, 3),
-    ("int4", 14336, 4096, 4096): (128, 128, 1, 8, 3),
-    ("nvfp4", 4096, 4096, 1): (16, 64, 8, 4, 3),
-    ("nvfp4", 4096, 4096, 16): (16, 64, 4, 4, 3),
-    ("nvfp4", 4096, 4096, 32): (32, 128, 4, 8, 3),
-    ("nvfp4", 4096, 4096, 64): (64, 128, 4, 8, 3),
-    ("nvfp4", 4096, 4096, 128): (128, 64, 4, 4, 3),
-    ("nvfp4", 4096, 4096, 256): (128, 64, 2, 4, 3),
-    ("nvfp4", 4096, 4096, 4096): (128, 128, 1, 8, 3),
-    ("nvfp4", 4096, 6144, 1): (16, 64, 8, 4, 3),
-    ("nvfp4", 4096, 6144, 16): (16, 64, 4, 4, 3),
-    ("nvfp4", 4096, 6144, 32): (32, 64, 4, 4, 3),
-    ("nvfp4", 4096, 6144, 64): (64, 64, 4, 4, 3),
-    ("nvfp4", 4096, 6144, 128): (128, 64, 4, 4, 3),
-    ("nvfp4", 4096, 6144, 256): (128, 64, 2, 4, 3),
-    ("nvfp4", 4096, 6144, 4096): (128, 128, 1, 8, 3),
-    ("nvfp4", 4096, 28672, 1): (16, 64, 4, 4, 3),
-    ("nvfp4", 4096, 28672, 16): (16, 64, 2, 4, 3),
-    ("nvfp4", 4096, 28672, 32): (32, 128, 1, 8, 3),
-    ("nvfp4", 4096, 28672, 64): (64, 256, 1, 8, 3),
-    ("nvfp4", 4096, 28672, 128): (128, 128, 1, 8, 3),
-    ("nvfp4", 4096, 28672, 256): (128, 128, 2, 8, 3),
-    ("nvfp4", 4096, 28672, 4096): (128, 128, 1, 8, 3),
-    ("nvfp4", 14336, 4096, 1): (16, 64, 16, 4, 3),
-    ("nvfp4", 14336, 4096, 16): (16, 64, 8, 4, 3),
-    ("nvfp4", 14336, 4096, 32): (32, 128, 8, 8, 3),
-    ("nvfp4", 14336, 4096, 64): (64, 128, 8, 8, 3),
-    ("nvfp4", 14336, 4096, 128): (128, 64, 4, 4, 3),
-    ("nvfp4", 14336, 4096, 256): (128, 64, 2, 4, 3),
-    ("nvfp4", 14336, 4096, 4096): (128, 128, 1, 8, 3),
-}
-def _m_bucket(M: int) -> int:
-    """TUNED's row ranges: M = 1, <= 16, <= 32, <= 64, <= 128, <= 512 (bucket 256), more (bucket 4096)."""
+def m_bucket(M: int) -> int:
+    """The row ranges of Tuning.w4_gemm_tuned: M = 1, <= 16, <= 32, <= 64, <= 128, <= 512 (bucket 256), more (bucket 4096)."""
     return 1 if M == 1 else 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128 if M <= 128 else \
         256 if M <= 512 else 4096
 
 
 def choose_config(M: int, N: int, KP: int, fmt: str = "int4"):
-    """(BLOCK_M, BLOCK_N, split, num_warps, num_stages): the sweep's winner for a tuned shape; otherwise up to 512
-    rows take as many K splits (powers of two, >= 4 tiles each) as keep the programs within a budget, more rows
+    """(BLOCK_M, BLOCK_N, split, num_warps, num_stages): Tuning.w4_gemm_tuned's for a tuned shape; otherwise up to
+    512 rows take as many K splits (powers of two, >= 4 tiles each) as keep the programs within a budget, more rows
     128x128 tiles."""
-    tuned = TUNED.get((fmt, KP, N, _m_bucket(M)))
+    tuned = tuning.current().w4_gemm_tuned.get((fmt, KP, N, m_bucket(M)))
     if tuned is not None:
         return (max(16, next_pow2(M)) if M <= 16 else tuned[0],) + tuned[1:]
     tiles = KP // PACK_K
@@ -348,34 +272,43 @@ def choose_config(M: int, N: int, KP: int, fmt: str = "int4"):
 
 
 def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
-    """x [M, K] bf16/fp16 -> [M, N] in x's dtype. Decode (M <= w4_gemv.GEMV_MAX_M) runs the CUDA-core GEMV, small
-    batches of large INT4 layers w4_small_m (w4_small_m.takes), M >= DEQUANT_MIN_M the dequantized weight through
-    cuBLAS (w4_dequant), the rest (or an explicit tensor-core `config`) the tensor-core kernel below. M in
-    MMA_ROWS[w.fmt] runs w4_mma first (where w4_mma.supports the weights)."""
+    """x [M, K] bf16/fp16 -> [M, N] in x's dtype, on the kernel lowbit.kernels.routes picks: w4_mma, the CUDA-core
+    GEMV (w4_gemv), the dequantized weight through cuBLAS (w4_dequant), w4_small_m or the tensor-core kernel below
+    (which an explicit tensor-core `config` runs directly)."""
     if not use_triton(x):
         return w4a16_gemm_ref(x, w, bias)
-    M = x.shape[0]
-    lowest, highest = MMA_ROWS.get(w.fmt, (0, 0))
-    if config is None and lowest <= M <= highest and w4_mma.supports(M, w) and \
-            x.dtype in (torch.bfloat16, torch.float16):
+    if config is not None:
+        return _tensor_core_kernel(x, w, bias, config)
+    kernel = _route(x, w)
+    if kernel == "w4_mma":
         return w4_mma.w4_mma(x, w, bias)
-    if config is None and x.shape[0] <= w4_gemv.GEMV_MAX_M:
+    if kernel == "w4_gemv":
         return w4_gemv.w4_gemv(x, w, bias)
-    if config is None and x.shape[0] >= DEQUANT_MIN_M[w.fmt]:
+    if kernel == "w4_dequant":
         y = w4_dequant.dequant_linear(x.contiguous(), w, bias)
         if y is not None:  # None: a graph capture found the scratch too small
             return y
-    return tensor_core_gemm(x, w, bias, config)
+    return tensor_core_gemm(x, w, bias)
+
+
+def _route(x, w: W4Weight, only=None) -> str:
+    """The kernel routes.LINEAR picks (only asked where the kernels run: the W4 rows do not test the GPU)."""
+    return routes.route("linear", w.fmt, x.shape[0], w.out_features, w.in_features, None, group=w.group,
+                        x16=x.dtype in (torch.bfloat16, torch.float16), only=only)
 
 
 def tensor_core_gemm(x, w: W4Weight, bias=None, config=None):
-    """w4a16_gemm without the GEMV: w4_small_m where it takes the shape, else (or with an explicit config) the
-    tensor-core kernel below."""
+    """w4a16_gemm without the GEMVs and the dequant path: w4_small_m where the routes give it the shape, else (or
+    with an explicit config) the tensor-core kernel below."""
+    if config is None and _route(x, w, only=routes.W4_TENSOR_CORE) == "w4_small_m":
+        return w4_small_m.w4_small_m(x.contiguous(), w, bias)
+    return _tensor_core_kernel(x, w, bias, config)
+
+
+def _tensor_core_kernel(x, w: W4Weight, bias=None, config=None):
     x = x.contiguous()
     M, K = x.shape
     N, KP = w.out_features, w.qweight.shape[1] * 8
-    if config is None and w4_small_m.takes(M, N, KP, w.fmt):
-        return w4_small_m.w4_small_m(x, w, bias)
     block_m, block_n, split, warps, stages = config or choose_config(M, N, KP, w.fmt)
     tiles = KP // PACK_K
     tiles_per_split = cdiv(tiles, split)
@@ -388,7 +321,7 @@ def tensor_core_gemm(x, w: W4Weight, bias=None, config=None):
         target, M, N, K, KP // 8, tiles, tiles_per_split, w.global_scale * (2.0**14 if w.fmt == "nvfp4" else 1.0),
         IS_FP4=w.fmt == "nvfp4", X_BF16=x.dtype == torch.bfloat16, GROUP=w.group,
         HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None and split == 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=PREFETCH_SCALES, EMULATE=interpreting(),
+        BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=tuning.current().w4_prefetch_scales, EMULATE=interpreting(),
         num_warps=warps, num_stages=stages)
     if split > 1:
         split_k.split_sum(target, bias, out)

@@ -4,7 +4,7 @@ and v into the cache, instead of a rotary launch followed by store_kv's.
 qkv [T, >= (Hq+2Hk)*D] (q's heads, k's, then v's at the start of each row; rows may be strided); positions [T];
 cos_sin_cache [max_pos, D]; part_scales fp32 [3] or None (see rotary_qk_ref); kv_cache [2, blocks, block_size, Hk, D]
 in the model dtype or float8_e4m3fn (k / k_scale, v / v_scale; V transposed within each block, as
-lowbit.kernels.paged_attention lays FP8 caches out); slot_mapping [T], slots < 0 skipped.
+lowbit.kernels.attention.paged_attention lays FP8 caches out); slot_mapping [T], slots < 0 skipped.
 The stored values are rounded as store_kv_ref(rotary_qk_ref(...)) rounds them: k rotated and rounded to the model
 dtype first, then (FP8) / k_scale in fp32 (as a product with 1 / k_scale: one fp32 rounding apart), clamped to
 +-448, cast. Launchers read device tensors only (CUDA graphs).
@@ -12,8 +12,8 @@ dtype first, then (FP8) / k_scale in fp32 (as a product with 1 / k_scale: one fp
 import torch
 
 from lowbit.kernels._triton import cdiv, kernel, next_pow2, tl, wait_for_producers
-from lowbit.kernels.paged_attention import _scale_tensor, _v_offset, store_kv_ref
-from lowbit.kernels.rotary import rotary_qk_ref
+from lowbit.kernels.attention.paged_attention import _scale_tensor, _v_offset, store_kv_ref
+from lowbit.kernels.ops.rotary import rotary_qk_ref
 
 
 def rotary_store_kv_ref(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales, kv_cache,
@@ -32,7 +32,7 @@ def _rotary_store_kv_kernel(x_ptr, q_ptr, kv_ptr, slot_ptr, pos_ptr, cs_ptr, ps_
     """Row t of x, heads BLOCK_H * program_id(1) and on: heads [0, HQ) rotated to q [T, HQ, 2*HALF]; heads
     [HQ, HQ+HK) rotated and [HQ+HK, HQ+2HK) as they are to kv_cache half 0 and 1 at slot t; with SCALED, part p's
     heads first multiplied by ps_ptr[p]. Positions, slots, the cos / sin rows and the scales are loaded before the
-    PDL wait (no kernel of a step writes them: lowbit.kernels.paged_attention's decode does the same); x after it."""
+    PDL wait (no kernel of a step writes them: lowbit.kernels.attention.paged_attention's decode does the same); x after it."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)

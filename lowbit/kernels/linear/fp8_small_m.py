@@ -25,13 +25,13 @@ serialize, so one workspace per device serves every layer.
 """
 import torch
 
-from lowbit.kernels import scratch
+from lowbit.kernels import tuning
+from lowbit.kernels.linear import scratch
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton, wait_for_producers
 
 MAX_M = 32
-PROMOTE_K = 32  # K elements the tensor core sums at its reduced precision before adding into fp32 (benchmarks.md run 9)
+PROMOTE_K = 32  # K elements the tensor core sums at its reduced precision before adding into fp32 (module docstring)
 COUNTER_SLOTS = 65536  # N tiles per launch (N <= 65536 * BLOCK_N)
-SMEM_BYTES = 220 * 1024  # of the H200's 227 KB per block, for the pipelined weight and x tiles
 
 
 
@@ -153,7 +153,7 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, ws_ptr,
                                 BLOCK_N, M_PAD)
 
 
-# ---- workspace: the partials in a scratch buffer (lowbit.kernels.scratch); the counters, once per device
+# ---- workspace: the partials in a scratch buffer (lowbit.kernels.linear.scratch); the counters, once per device
 _WORKSPACE: dict = {}  # device -> {"counters": int32 [COUNTER_SLOTS], zero between launches}
 
 
@@ -224,7 +224,8 @@ def _small_m_gemm(q, w, scale_a, scale_b, bias, out_dtype, config, dot_fp16):
     scale_a, scale_b = scale_a.float().reshape(-1), scale_b.float().reshape(-1)
     block_n, block_k, programs, warps, stages = config or choose_config(M, N, K, sm_count(q.device))
     m_pad = max(16, next_pow2(M))
-    stages = max(1, min(stages, SMEM_BYTES // (block_n * block_k + block_k * m_pad)))  # tiles in flight fit in smem
+    smem = tuning.current().fp8_small_m_smem_bytes
+    stages = max(1, min(stages, smem // (block_n * block_k + block_k * m_pad)))  # tiles in flight fit in smem
     n_tiles, steps, units, launched, max_parts = split_work(N, K, block_n, block_k, programs)
     partials, counters = scale_b, scale_b  # unused when no tile is shared
     if max_parts > 1:

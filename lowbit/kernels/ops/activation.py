@@ -1,18 +1,16 @@
 """SiLU-and-multiply of the gate/up projection: x [..., 2*D] -> silu(x[..., :D]) * x[..., D:]  [..., D].
 
 With quant_scale (the down projection's static FP8 input_scale) the output is float8_e4m3fn, out / quant_scale (the
-kernel multiplies by 1 / quant_scale, as lowbit.kernels.norm does).
+kernel multiplies by 1 / quant_scale, as lowbit.kernels.ops.norm does).
 With up_scale (fp32, 0-d or 1 element: a merged gate/up layer's deferred weight-scale ratio) up is multiplied by it
 in fp32 first: silu(gate) * (up * up_scale), rounded to x's dtype once.
 """
 import torch
 import torch.nn.functional as F
 
+from lowbit.kernels import tuning
 from lowbit.kernels._triton import cdiv, kernel, on_gpu, tl, wait_for_producers
-from lowbit.kernels.norm import quantize_fp8_ref
-
-CONFIG = (1024, 4)  # (BLOCK columns per program, num_warps)
-
+from lowbit.kernels.ops.norm import quantize_fp8_ref
 
 def silu_and_mul_ref(x: torch.Tensor, quant_scale: torch.Tensor | None = None,
                      up_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,7 +55,7 @@ def silu_and_mul_triton(x: torch.Tensor, quant_scale: torch.Tensor | None = None
     out = torch.empty(x2.shape[0], d, dtype=out_dtype, device=x.device)
     if up_scale is not None and up_scale.numel() != 1:
         raise ValueError(f"up_scale must hold one value, got shape {tuple(up_scale.shape)}")
-    block, warps = config or CONFIG
+    block, warps = config or tuning.current().silu_config
     _silu_and_mul_kernel[(x2.shape[0], cdiv(d, block))](
         x2, out, quant_scale if quant_scale is not None else x2, up_scale if up_scale is not None else x2, d,
         QUANT=quant_scale is not None, UP_SCALED=up_scale is not None, BLOCK=block, num_warps=warps)

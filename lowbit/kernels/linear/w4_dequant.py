@@ -4,16 +4,16 @@ scratch [N, K] (one Triton launch, fp32 math rounded once to x's dtype), then on
 At large M the GEMM is compute-bound and cuBLAS's bf16 tensor-core kernels are ~2.5x faster than w4a16's
 dequantize-in-the-loop kernel (which dequantizes each weight once per M tile); the dequantization costs one read of
 the 4-bit weights and one write of the 16-bit ones (~0.3 GB for a 4096 x 28672 layer), once per call.
-Same layout as lowbit.kernels.w4a16 (W4Weight): qweight int32 [N, KP/8], nibble s of word j = element 8j+s;
+Same layout as lowbit.kernels.linear.w4a16 (W4Weight): qweight int32 [N, KP/8], nibble s of word j = element 8j+s;
 INT4 scales fp32 [KP/group, N] (value (u - 8) x scale); NVFP4 scales e4m3 [KP/128, N, 8] x the global scale.
-The scratch is one buffer per device and dtype (lowbit.kernels.scratch: grown outside CUDA-graph capture, never
+The scratch is one buffer per device and dtype (lowbit.kernels.linear.scratch: grown outside CUDA-graph capture, never
 freed), shared by every layer. While a graph is captured with too small a scratch, `dequant_linear` returns None
 (the caller runs another kernel).
 """
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels import scratch
+from lowbit.kernels.linear import scratch
 from lowbit.kernels._triton import cdiv, kernel, tl, wait_for_producers
 
 BLOCK_N, BLOCK_K = 32, 256  # one program's tile of the weight; BLOCK_K a multiple of 128 (an NVFP4 scale tile)

@@ -2,7 +2,7 @@
 CUDA cores with `dp4a` (four int8 products summed into an int32 per instruction: a quarter of an instruction per
 weight, no conversion). q [M, K] and W [N, K] int8, K-contiguous; scale_a fp32 [] or [M, 1], scale_b fp32 [] or [N].
 
-The one-row GEMV's structure (lowbit.kernels.dense_gemv): each program owns BLOCK_N weight rows over all of K, read
+The one-row GEMV's structure (lowbit.kernels.linear.dense_gemv): each program owns BLOCK_N weight rows over all of K, read
 as int32 words; a K step is C = BLOCK_K / 16 chunks of 16 bytes per row, chunk c on thread c mod (32 x num_warps),
 which holds every row of its chunks (one 16-byte load per row and chunk, .cg) and the chunk of every x row (M_PAD
 rows, the ones past M masked to 0). The next step's weights are loaded while this one is summed; the first before
@@ -11,16 +11,11 @@ dp4a is emulated with shifts (bytes sign-extended) and int32 math.
 """
 import torch
 
+from lowbit.kernels import tuning
 from lowbit.kernels._triton import (cdiv, early_kernel, helper, interpreting, load_streamed, next_pow2, split4, tl,
                                     use_triton, wait_for_producers)
 
 MAX_M = 8  # one int32 accumulator per x row
-# (BLOCK_N, BLOCK_K in bytes, num_warps) at every M: BLOCK_K / 16 chunks, one per thread. H200 (`python3
-# bench/int8_gemv_bench.py --m 1,2,4,8 --configs "8,2048,4;4,2048,4"`, benchmarks.md run 49 call 2), ms per token
-# of the four Llama-3.1-8B linears x 32 layers, (4, 2048, 4) / (8, 2048, 4): M = 1 2.05 / 2.12, M = 2 2.21 / 2.32,
-# M = 4 2.96 / 2.88, M = 8 4.32 / 4.48 (the kernel with [M_PAD, C, BLOCK_N] sums before: 2.03, 2.39, 2.92, 4.68)
-CONFIG = (4, 2048, 4)
-
 
 def supports(q: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor) -> bool:
     """int8 q and w, 1 <= M <= MAX_M, K a multiple of 4 (rows of int32 words), scale_a one value or one per row."""
@@ -31,11 +26,11 @@ def supports(q: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor) -> bool:
 
 def int8_gemv(q, w, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, config=None):
     """q [M, K] int8 (x ~= q * scale_a), w [N, K] int8 -> [M, N] out_dtype (scales and bias as the module says).
-    config (BLOCK_N, BLOCK_K bytes, num_warps), default CONFIG; BLOCK_K a multiple of 16 x 32 x num_warps."""
+    config (BLOCK_N, BLOCK_K bytes, num_warps), default Tuning.int8_gemv_config; BLOCK_K a multiple of 16 x 32 x num_warps."""
     assert use_triton(q) and supports(q, w, scale_a), (q.shape, q.dtype, w.shape, w.dtype, scale_a.shape)
     M, K = q.shape
     N = w.shape[0]
-    block_n, block_k, warps = config or CONFIG
+    block_n, block_k, warps = config or tuning.current().int8_gemv_config
     assert block_k % (16 * 32 * warps) == 0, (block_k, warps)
     sa, sb = scale_a.float().reshape(-1).contiguous(), scale_b.float().reshape(-1).contiguous()
     out = torch.empty(M, N, dtype=out_dtype, device=q.device)

@@ -1,6 +1,6 @@
 """Small-batch (2 <= M <= SMALL_M_MAX) weight-only 4-bit GEMM on tensor cores, weights dequantized in registers.
 
-Same W4Weight layout as lowbit.kernels.w4a16 (qweight int32 [N, KP/8], nibble s of word j = element 8j + s).
+Same W4Weight layout as lowbit.kernels.linear.w4a16 (qweight int32 [N, KP/8], nibble s of word j = element 8j + s).
 A K tile of 128 is 16 words per row. Instead of unpacking a tile to [BLOCK_N, 128] (a reshape: Triton routes the
 16-bit tile through shared memory to reach the MMA's operand layout, 4x the weight bytes), the tile is cut into
 8 nibble planes: plane s = (words >> 4s) & 15, [BLOCK_N, 16], holds elements k = 8j + s. Each plane is a pure
@@ -15,16 +15,16 @@ acc [BLOCK_N, BLOCK_M] = W_tile @ x^T: small M sits in the MMA's N dimension.
 - NVFP4: the e2m1 code's bits placed in an fp16 (value * 2^-14, exact) times the e4m3 block scale (exact in fp16),
   fp16 dots; the global scale and 2^14 are applied once at the end (as w4a16).
 Splits K across programs when N alone gives too few programs; partials are summed by
-lowbit.kernels.split_k.
+lowbit.kernels.linear.split_k.
 """
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels import split_k
+from lowbit.kernels import routes
+from lowbit.kernels.linear import split_k
 from lowbit.kernels._triton import cdiv, helper, kernel, tl, use_triton, wait_for_producers
 
 SMALL_M_MAX = 16  # one MMA N tile (BLOCK_M = 16)
-LARGE_LAYER = 32 * 2**20  # weights per layer (N x KP) from which `takes` routes INT4 here
 TILE_K = 128  # w4a16.PACK_K: 16 words per row (the kernel's literal 128)
 
 
@@ -95,7 +95,7 @@ def _w4_small_m_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, KP, w_strid
 
 
 def w4_small_m(x, w, bias=None, config=None):
-    """x [M, K] bf16/fp16, 2 <= M <= SMALL_M_MAX -> [M, N] in x's dtype; w a lowbit.kernels.w4a16.W4Weight.
+    """x [M, K] bf16/fp16, 2 <= M <= SMALL_M_MAX -> [M, N] in x's dtype; w a lowbit.kernels.linear.w4a16.W4Weight.
     config (BLOCK_N, split, num_warps, num_stages[, BLOCK_M]), default choose_config; BLOCK_M 16 (the default) or 32:
     rows past M are masked, and at 8 warps a 32-wide x plane (1 KB) still gives every thread a 4-byte
     asynchronous copy (at 16 wide Triton loads it synchronously, with a fence per plane: `python3
@@ -134,11 +134,9 @@ def x_planes(x, w) -> torch.Tensor:
 
 
 def takes(M: int, N: int, KP: int, fmt: str) -> bool:
-    """Where this kernel beat w4a16's tensor-core kernel on the H200 (bench/w4_small_m_bench.py, benchmarks.md
-    run 38): INT4 layers of LARGE_LAYER weights or more, 2 <= M <= 16 (gate_up 1.43-1.50x cuBLAS bf16 against
-    1.16x, down 1.26-1.33x against 1.13-1.15x). Not smaller layers (qkv, o: ~4 % slower), not NVFP4 (0.55-0.61x:
-    its per-plane block scales cost more than the unpacking they replace)."""
-    return fmt == "int4" and 2 <= M <= SMALL_M_MAX and N * KP >= LARGE_LAYER
+    """The routes give this kernel M rows of an N x KP weight of kind fmt (among the tensor-core kernels): large
+    INT4 layers at 2 <= M <= SMALL_M_MAX (lowbit.kernels.routes, Tuning.w4_small_m_min_weights)."""
+    return routes.route("linear", fmt, M, N, KP, None, only=routes.W4_TENSOR_CORE) == "w4_small_m"
 
 
 def choose_config(M: int, N: int, KP: int, fmt: str):

@@ -1,7 +1,7 @@
 """Decode (M = 1) weight-only 4-bit GEMV: CUDA-core dequantize + multiply + reduce over K, no tl.dot. It also takes
 two x rows (M2), which share each dequantized weight: one more FMA per weight and row.
 
-Same layout as lowbit.kernels.w4a16 (W4Weight): qweight int32 [N, KP/8], nibble s of word j = element 8j+s;
+Same layout as lowbit.kernels.linear.w4a16 (W4Weight): qweight int32 [N, KP/8], nibble s of word j = element 8j+s;
 INT4 scales fp32 [KP/group, N] (nibble u = q + 8); NVFP4 scales e4m3 [KP/128, N, 8] + a global scale.
 
 Each program owns BLOCK_N output rows over all of K (no split-K, no second launch):
@@ -29,27 +29,20 @@ GEMV (removed; docs/kernels_notes.md, benchmarks.md run 16).
 """
 import torch
 
+from lowbit.kernels import tuning
 from lowbit.kernels._triton import (cdiv, early_kernel, helper, interpreting, load_streamed, split4, tl,
                                     use_triton, wait_for_producers)
 
-GEMV_MAX_M = 2  # w4a16_gemm dispatches M <= this to the GEMV (after w4a16.MMA_ROWS). M = 2, per token (H200, run 41):
-# INT4 2.26 ms against w4_small_m's 2.88, NVFP4 2.51 against the tensor-core kernel's 4.28
-# (BLOCK_N, BLOCK_K, num_warps) per format at M = 1 (INT4 128 registers, NVFP4 64; BLOCK_K 2048 divides every KP of
-# Llama-3.1-8B: no masked step). 8 rows: best of the H200 sweep for both formats (run 16); NVFP4 takes 4 since the
-# fifteenth session: per token 1.809 -> 1.779 ms, batch-1 nvfp4 ITL 2.455 -> 2.418 ms (benchmarks.md run 44)
-GEMV_CONFIG = {"int4": (8, 2048, 2), "nvfp4": (4, 2048, 2)}
-GEMV_CONFIG_M2 = {"int4": (8, 2048, 2), "nvfp4": (4, 2048, 2)}  # M = 2: each format's best of the run-41 sweep
-
-
 def w4_gemv(x, w, bias=None, config=None):
-    """x [M, K] bf16/fp16/fp32, M = 1 or 2 -> [M, N] in x's dtype, w a lowbit.kernels.w4a16.W4Weight. Two rows share
-    each dequantized weight (one more FMA per weight and row). config (BLOCK_N, BLOCK_K, num_warps), default
-    GEMV_CONFIG[w.fmt] (M = 1) or GEMV_CONFIG_M2[w.fmt]; BLOCK_K a multiple of 1024 x num_warps."""
+    """x [M, K] bf16/fp16/fp32, M = 1 or 2 -> [M, N] in x's dtype, w a lowbit.kernels.linear.w4a16.W4Weight. Two
+    rows share each dequantized weight (one more FMA per weight and row). config (BLOCK_N, BLOCK_K, num_warps),
+    default Tuning.w4_gemv_config[w.fmt] (M = 1) or w4_gemv_config_m2; BLOCK_K a multiple of 1024 x num_warps."""
     assert use_triton(x)
     x = x.contiguous()
     M, K = x.shape
     assert M in (1, 2), "the GEMV takes M = 1 or 2"
-    block_n, block_k, warps = config or (GEMV_CONFIG if M == 1 else GEMV_CONFIG_M2)[w.fmt]
+    t = tuning.current()
+    block_n, block_k, warps = config or (t.w4_gemv_config if M == 1 else t.w4_gemv_config_m2)[w.fmt]
     assert block_k % (1024 * warps) == 0, (block_k, warps)  # C = BLOCK_K / 32 chunks cover all threads
     assert block_n % 4 == 0, block_n  # INT4 scales of 4 rows per load
     if w.fmt == "int4":

@@ -6,12 +6,8 @@ Used for INT8 SmoothQuant, and for FP8 where torch._scaled_mm does not apply.
 """
 import torch
 
+from lowbit.kernels import tuning
 from lowbit.kernels._triton import cdiv, kernel, tl, use_triton, wait_for_producers
-
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); tuned on the H200, see docs/kernels_notes.md
-LARGE_M_CONFIG = (128, 256, 128, 8, 3)  # M > 512
-MEDIUM_M_CONFIG = (64, 128, 128, 4, 4)  # 64 < M <= 512: more programs than 128x256 tiles give
-SMALL_M_CONFIG = (64, 64, 128, 4, 4)  # M <= 64
 
 
 def scaled_gemm_ref(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16):
@@ -81,13 +77,17 @@ def _scaled_gemm_kernel(a_ptr, b_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def choose_config(M: int) -> tuple:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the first of Tuning.scaled_gemm_configs whose M fits."""
+    return next(config for max_m, config in tuning.current().scaled_gemm_configs if max_m is None or M <= max_m)
+
+
 def scaled_gemm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, config=None):
     if not use_triton(a):
         return scaled_gemm_ref(a, b, scale_a, scale_b, bias, out_dtype)
     M, K = a.shape
     N = b.shape[0]
-    default = LARGE_M_CONFIG if M > 512 else (MEDIUM_M_CONFIG if M > 64 else SMALL_M_CONFIG)
-    block_m, block_n, block_k, warps, stages = config or default
+    block_m, block_n, block_k, warps, stages = config or choose_config(M)
     out = torch.empty(M, N, dtype=out_dtype, device=a.device)
     grid = (cdiv(M, block_m) * cdiv(N, block_n),)
     _scaled_gemm_kernel[grid](

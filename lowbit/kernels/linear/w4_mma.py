@@ -1,9 +1,9 @@
 """Weight-only 4-bit GEMM (INT4, NVFP4) for 1 <= M <= 16 x rows on tensor cores: mma.sync m16n8k16 with fp32
 accumulation, the weights dequantized in registers (no shared memory). The M = 1 GEMV's structure
-(lowbit.kernels.w4_gemv), with the tensor core doing the multiply-add: up to 8 x rows cost about what one does (the
+(lowbit.kernels.linear.w4_gemv), with the tensor core doing the multiply-add: up to 8 x rows cost about what one does (the
 mma's N = 8 columns); rows 9-16 (X_TILES = 2) take a second mma on the same dequantized A registers.
 
-Same weights as lowbit.kernels.w4a16 (W4Weight, qweight int32 [N, KP/8], nibble s of word j = element 8j + s,
+Same weights as lowbit.kernels.linear.w4a16 (W4Weight, qweight int32 [N, KP/8], nibble s of word j = element 8j + s,
 u = q + 8; INT4 scales fp32 [KP/group, N], groups a multiple of 128: one scale per 128-k block; NVFP4 e4m3
 [KP/128, N, 8] and a global scale); no repacking.
 
@@ -26,20 +26,18 @@ Under the interpreter (no PTX) the dequantization and the warp-wide mma are emul
 """
 import torch
 
+from lowbit.kernels import tuning
 from lowbit.kernels._triton import cdiv, helper, interpreting, kernel, split2, split4, tl, use_triton, \
     wait_for_producers
-from lowbit.kernels.w4_gemv import fp4_pair_bits, smoothed
+from lowbit.kernels.linear.w4_gemv import fp4_pair_bits, smoothed
 
 MAX_M = 16  # two tiles of the mma's N = 8 (rows 9-16 take a second mma per A fragment)
-MMA_CONFIG = (16, 2048, 4)  # (BLOCK_N, BLOCK_K, num_warps): U = BLOCK_K / (128 num_warps) blocks per warp and step
-# Rows 9-16 of wide layers (N >= WIDE_N): H200, NVFP4 M = 16, 4096 -> 28672: 51.4 us against MMA_CONFIG's 62.0; the
-# narrower Llama-3.1-8B layers are 3-15 % faster on MMA_CONFIG (bench/w4_mma_bench.py, benchmarks.md run 46)
-WIDE_CONFIG, WIDE_N = (32, 1024, 4), 16384
 
 
 def choose_config(M: int, N: int) -> tuple:
     """(BLOCK_N, BLOCK_K, num_warps) for M x rows and N weight rows when the caller gives no config."""
-    return WIDE_CONFIG if M > 8 and N >= WIDE_N else MMA_CONFIG
+    t = tuning.current()
+    return t.w4_mma_wide_config if M > 8 and N >= t.w4_mma_wide_n else t.w4_mma_config
 
 
 def supports(M: int, w) -> bool:

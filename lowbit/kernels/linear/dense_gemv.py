@@ -4,7 +4,7 @@ e4m3 with an FP8 x and fp32 scales (fp8_gemv; y = (q @ W^T) * scale_a * scale_b)
 Each program owns BLOCK_N output rows over all of K. A K step is C = BLOCK_K / VEC chunks of VEC = 16 bytes of
 elements per row; chunk c goes to thread c mod (32 x num_warps), and a thread holds every row of its chunks: one
 16-byte load per row and chunk (.cg: L2 only) and one x load per chunk, shared by the rows (the same register layout
-as lowbit.kernels.w4_gemv's words). The next step's weights are loaded while this step is computed; the first step
+as lowbit.kernels.linear.w4_gemv's words). The next step's weights are loaded while this step is computed; the first step
 is loaded before the PDL wait (lowbit.kernels._triton), so its weights stream while the kernel before finishes.
 Per weight: one conversion to fp32 and one FMA. bf16 is bound by HBM (3.4-4.4 TB/s on the H200); FP8's conversion
 takes ~5 instructions per weight offline, so it may be bound by issue (docs/kernels_notes.md). A two-row form lost
@@ -14,20 +14,16 @@ to cuBLAS at M = 2 (benchmarks.md run 41) and was removed. silu_mul: a merged ga
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels._triton import cdiv, early_kernel, load_streamed, on_gpu, tl, use_triton, wait_for_producers
-from lowbit.kernels.activation import silu_and_mul, silu_and_mul_ref
-
-STEP_BYTES, WARPS = 2048, 4  # per row and K step: 1024 bf16 or 2048 FP8 elements
-MAX_PROGRAMS_AT_4_ROWS = 1024
-# H200, Llama-3.1-8B shapes (`python3 bench/dense_gemv_bench.py`, benchmarks.md run 40), us per call: 4 rows per
-# program up to 1024 programs (o 4096->4096 9.8, down 14336->4096 28.8), else 8 (qkv 4096->6144 14.4, gate_up
-# 4096->28672 57.7, lm_head 4096->128256 237.1); cuBLAS bf16 13.6 / 31.9 / 15.4 / 56.5 / 238.9.
-# FP8 (fp8_gemv): lowbit.kernels.w8a8 runs it for one row of small layers, at its own config (run 41).
+from lowbit.kernels import routes, tuning
+from lowbit.kernels._triton import capability, cdiv, early_kernel, load_streamed, on_gpu, tl, use_triton, wait_for_producers
+from lowbit.kernels.ops.activation import silu_and_mul, silu_and_mul_ref
 
 
 def gemv_config(n: int, element_size: int = 2) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for N output rows of element_size-byte weights."""
-    return (4 if cdiv(n, 4) <= MAX_PROGRAMS_AT_4_ROWS else 8), STEP_BYTES // element_size, WARPS
+    t = tuning.current()
+    return (4 if cdiv(n, 4) <= t.dense_gemv_max_programs_at_4_rows else 8), t.dense_gemv_step_bytes // element_size, \
+        t.dense_gemv_warps
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -35,8 +31,10 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """F.linear(x, weight, bias), run by the GEMV when x is one bf16 / fp16 row on the GPU (decode at batch 1).
     silu_mul: weight is a merged gate/up [2D, K] and the result silu_and_mul of it, [..., D] (one launch at one row:
     the GEMV's epilogue)."""
-    if on_gpu(x) and x.numel() == x.shape[-1] and x.dtype in (torch.bfloat16, torch.float16) \
-            and weight.dtype == x.dtype:
+    x16 = x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+    arch = capability(x.device) if on_gpu(x) else None
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if routes.route("linear", "dense", rows, weight.shape[0], weight.shape[-1], arch, x16=x16) == "dense_gemv":
         return dense_gemv(x.reshape(1, -1), weight, bias, silu_mul=silu_mul).reshape(*x.shape[:-1], -1)
     y = F.linear(x, weight, bias)
     return silu_and_mul(y) if silu_mul else y
