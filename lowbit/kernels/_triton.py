@@ -11,7 +11,7 @@ that call it may read only weights (never written while serving). The call waits
 unless this kernel was launched early) and lets the next kernel launch early. `early_kernel`s are launched early:
 the M = 1 GEMVs (w4_gemv, dense_gemv), whose first weight tiles then stream in while the small kernel before them
 finishes. Inside `all_kernels_early()` every kernel is: the decode graphs of the smallest batches are captured so
-(lowbit.serve.cuda_graphs); at batch 16-256 that measured slower (docs/serve_gpu_notes.md). LOWBIT_PDL=0: no PDL.
+(lowbit.serve.cuda_graphs); at batch 16-256 it is slower. LOWBIT_PDL=0: no PDL.
 """
 import contextlib
 import inspect

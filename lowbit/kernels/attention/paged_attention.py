@@ -1,5 +1,6 @@
 """Paged attention over one KV tensor per layer: KV store and decode (split along the context); the references of
-decode and prefill/extend (whose kernel is lowbit.kernels.attention.paged_prefill) and the tile helpers both kernels share.
+decode and prefill/extend (whose kernel is lowbit.kernels.attention.paged_prefill) and the tile helpers both
+kernels share.
 
 kv_cache [2, num_blocks, block_size, Hk, D], model dtype or float8_e4m3fn holding k / k_scale (v / v_scale).
 Token p of sequence b lives in slot block_tables[b, p // block_size] * block_size + p % block_size. An FP8 cache

@@ -32,7 +32,8 @@ def _rotary_store_kv_kernel(x_ptr, q_ptr, kv_ptr, slot_ptr, pos_ptr, cs_ptr, ps_
     """Row t of x, heads BLOCK_H * program_id(1) and on: heads [0, HQ) rotated to q [T, HQ, 2*HALF]; heads
     [HQ, HQ+HK) rotated and [HQ+HK, HQ+2HK) as they are to kv_cache half 0 and 1 at slot t; with SCALED, part p's
     heads first multiplied by ps_ptr[p]. Positions, slots, the cos / sin rows and the scales are loaded before the
-    PDL wait (no kernel of a step writes them: lowbit.kernels.attention.paged_attention's decode does the same); x after it."""
+    PDL wait (no kernel of a step writes them: lowbit.kernels.attention.paged_attention's decode does the same); x
+    after it."""
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)

@@ -4,18 +4,19 @@ e4m3 with an FP8 x and fp32 scales (fp8_gemv; y = (q @ W^T) * scale_a * scale_b)
 Each program owns BLOCK_N output rows over all of K. A K step is C = BLOCK_K / VEC chunks of VEC = 16 bytes of
 elements per row; chunk c goes to thread c mod (32 x num_warps), and a thread holds every row of its chunks: one
 16-byte load per row and chunk (.cg: L2 only) and one x load per chunk, shared by the rows (the same register layout
-as lowbit.kernels.linear.w4_gemv's words). The next step's weights are loaded while this step is computed; the first step
-is loaded before the PDL wait (lowbit.kernels._triton), so its weights stream while the kernel before finishes.
+as lowbit.kernels.linear.w4_gemv's words). The next step's weights are loaded while this step is computed; the
+first step is loaded before the PDL wait (lowbit.kernels._triton), so its weights stream while the kernel before
+finishes.
 Per weight: one conversion to fp32 and one FMA. bf16 is bound by HBM (3.4-4.4 TB/s on the H200); FP8's conversion
-takes ~5 instructions per weight offline, so it may be bound by issue (docs/kernels_notes.md). A two-row form lost
-to cuBLAS at M = 2 (benchmarks.md run 41) and was removed. silu_mul: a merged gate/up GEMV stores silu(gate) x up
-(the engine's bf16 batch-1 step: 4.139 -> 4.112 ms on the H200, benchmarks.md run 43).
+takes ~5 instructions per weight offline, so it may be bound by issue. One row only: at M = 2 cuBLAS is faster.
+silu_mul: a merged gate/up GEMV stores silu(gate) x up (one launch fewer per layer at batch 1).
 """
 import torch
 import torch.nn.functional as F
 
 from lowbit.kernels import routes, tuning
-from lowbit.kernels._triton import capability, cdiv, early_kernel, load_streamed, on_gpu, tl, use_triton, wait_for_producers
+from lowbit.kernels._triton import (capability, cdiv, early_kernel, load_streamed, on_gpu, tl, use_triton,
+                                    wait_for_producers)
 from lowbit.kernels.ops.activation import silu_and_mul, silu_and_mul_ref
 
 

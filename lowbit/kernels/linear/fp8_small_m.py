@@ -7,7 +7,7 @@ scale_a fp32 [] (static per tensor) or [M, 1] (dynamic per token); scale_b fp32 
 merged q/k/v, gate/up, or per-channel checkpoints); bias [N] or None; fp32 accumulator; M <= 32.
 Accuracy: tl.dot's Hopper default for fp8 (max_num_imprecise_acc 2**30) lets wgmma accumulate all of K at its reduced
 internal precision: rel. error vs the fp32 reference up to 2.8e-3 on the H200 (the cuBLAS routes: 0.7e-3), enough to
-move the engine's FP8 greedy picks past the end-to-end check's tie bar (benchmarks.md run 9). So the dot promotes
+move the engine's FP8 greedy picks past the end-to-end check's tie bar. So the dot promotes
 to fp32 every PROMOTE_K elements of K (tl.dot's max_num_imprecise_acc; one fp8 wgmma is 32 wide), as cuBLAS's
 default (non fast-accum) mode does.
 
@@ -183,10 +183,10 @@ def sm_count(device) -> int:
 
 
 def choose_config(M: int, N: int, K: int, sms: int = 132):
-    """From the H200 sweep of 48 configs per Llama-3.1-8B shape at M = 1 and 16 (docs/kernels_notes.md "FP8 small-M
-    GEMM"): 64 x 256 tiles, 4 warps; six weight tiles in flight (one program per SM) when the N tiles fit one wave,
-    else four (two programs per SM); one program per N tile, except when under half the SMs would have a tile and
-    each tile is long (>= 32 K steps): then the K steps are spread over all SMs (14336->4096)."""
+    """The best of 48 configs per Llama-3.1-8B shape at M = 1 and 16 on the H200: 64 x 256 tiles, 4 warps; six
+    weight tiles in flight (one program per SM) when the N tiles fit one wave, else four (two programs per SM); one
+    program per N tile, except when under half the SMs would have a tile and each tile is long (>= 32 K steps): then
+    the K steps are spread over all SMs (14336->4096)."""
     n_tiles, steps = cdiv(N, 64), cdiv(K, 256)
     stages = 6 if n_tiles <= sms else 4
     programs = sms if 2 * n_tiles <= sms and steps >= 32 else 0

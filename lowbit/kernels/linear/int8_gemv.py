@@ -2,8 +2,8 @@
 CUDA cores with `dp4a` (four int8 products summed into an int32 per instruction: a quarter of an instruction per
 weight, no conversion). q [M, K] and W [N, K] int8, K-contiguous; scale_a fp32 [] or [M, 1], scale_b fp32 [] or [N].
 
-The one-row GEMV's structure (lowbit.kernels.linear.dense_gemv): each program owns BLOCK_N weight rows over all of K, read
-as int32 words; a K step is C = BLOCK_K / 16 chunks of 16 bytes per row, chunk c on thread c mod (32 x num_warps),
+The one-row GEMV's structure (lowbit.kernels.linear.dense_gemv): each program owns BLOCK_N weight rows over all of K,
+read as int32 words; a K step is C = BLOCK_K / 16 chunks of 16 bytes per row, chunk c on thread c mod (32 x num_warps),
 which holds every row of its chunks (one 16-byte load per row and chunk, .cg) and the chunk of every x row (M_PAD
 rows, the ones past M masked to 0). The next step's weights are loaded while this one is summed; the first before
 the PDL wait. Sums are exact int32 (|q w| <= 127^2, so K up to ~133k), scaled in fp32 once. Under the interpreter
@@ -26,7 +26,8 @@ def supports(q: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor) -> bool:
 
 def int8_gemv(q, w, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, config=None):
     """q [M, K] int8 (x ~= q * scale_a), w [N, K] int8 -> [M, N] out_dtype (scales and bias as the module says).
-    config (BLOCK_N, BLOCK_K bytes, num_warps), default Tuning.int8_gemv_config; BLOCK_K a multiple of 16 x 32 x num_warps."""
+    config (BLOCK_N, BLOCK_K bytes, num_warps), default Tuning.int8_gemv_config; BLOCK_K a multiple of
+    16 x 32 x num_warps."""
     assert use_triton(q) and supports(q, w, scale_a), (q.shape, q.dtype, w.shape, w.dtype, scale_a.shape)
     M, K = q.shape
     N = w.shape[0]

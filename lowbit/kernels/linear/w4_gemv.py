@@ -24,8 +24,7 @@ Each program owns BLOCK_N output rows over all of K (no split-K, no second launc
 - Offline SASS (triton 3.6, sm_90, loop body per weight): INT4 3.16 instructions, NVFP4 4.73 at 8 rows (128
   registers), 5.08 at 4 rows (64: NVFP4's GEMV_CONFIG). Two rows (GEMV_CONFIG_M2): INT4 4.6 (168 registers), NVFP4
   6.5 (96), for twice the products.
-H200, Llama-3.1-8B shapes, per token: INT4 2.5x and NVFP4 2.0x cuBLAS bf16 (benchmarks.md run 44), 1.8x the previous
-GEMV (removed; docs/kernels_notes.md, benchmarks.md run 16).
+H200, Llama-3.1-8B shapes, per token: INT4 2.5x and NVFP4 2.0x cuBLAS bf16.
 """
 import torch
 

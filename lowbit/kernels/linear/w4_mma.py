@@ -1,7 +1,7 @@
 """Weight-only 4-bit GEMM (INT4, NVFP4) for 1 <= M <= 16 x rows on tensor cores: mma.sync m16n8k16 with fp32
 accumulation, the weights dequantized in registers (no shared memory). The M = 1 GEMV's structure
-(lowbit.kernels.linear.w4_gemv), with the tensor core doing the multiply-add: up to 8 x rows cost about what one does (the
-mma's N = 8 columns); rows 9-16 (X_TILES = 2) take a second mma on the same dequantized A registers.
+(lowbit.kernels.linear.w4_gemv), with the tensor core doing the multiply-add: up to 8 x rows cost about what one does
+(the mma's N = 8 columns); rows 9-16 (X_TILES = 2) take a second mma on the same dequantized A registers.
 
 Same weights as lowbit.kernels.linear.w4a16 (W4Weight, qweight int32 [N, KP/8], nibble s of word j = element 8j + s,
 u = q + 8; INT4 scales fp32 [KP/group, N], groups a multiple of 128: one scale per 128-k block; NVFP4 e4m3

@@ -98,8 +98,7 @@ def w4_small_m(x, w, bias=None, config=None):
     """x [M, K] bf16/fp16, 2 <= M <= SMALL_M_MAX -> [M, N] in x's dtype; w a lowbit.kernels.linear.w4a16.W4Weight.
     config (BLOCK_N, split, num_warps, num_stages[, BLOCK_M]), default choose_config; BLOCK_M 16 (the default) or 32:
     rows past M are masked, and at 8 warps a 32-wide x plane (1 KB) still gives every thread a 4-byte
-    asynchronous copy (at 16 wide Triton loads it synchronously, with a fence per plane: `python3
-    bench/offline_compile.py w4_small_m int4,128,8,3,16` shows 8 MEMBAR)."""
+    asynchronous copy (at 16 wide Triton loads it synchronously, with a fence per plane: 8 MEMBAR in its SASS)."""
     assert use_triton(x)
     x = x.contiguous()
     M, K = x.shape

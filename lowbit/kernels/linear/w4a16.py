@@ -248,7 +248,8 @@ def _w4_gemm_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K,
 
 
 def m_bucket(M: int) -> int:
-    """The row ranges of Tuning.w4_gemm_tuned: M = 1, <= 16, <= 32, <= 64, <= 128, <= 512 (bucket 256), more (bucket 4096)."""
+    """The row ranges of Tuning.w4_gemm_tuned: M = 1, <= 16, <= 32, <= 64, <= 128, <= 512 (bucket 256), more
+    (bucket 4096)."""
     return 1 if M == 1 else 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128 if M <= 128 else \
         256 if M <= 512 else 4096
 

@@ -1,7 +1,7 @@
 """A decode step's inputs into the CUDA graphs' static buffers in one launch: the step's uploaded arrays copied
 (block-table rows into the graphs' wider rows), the tokens the previous step sampled on the device merged in, and
 the padding rows past the batch set to store nothing. Replaces ~10 small copies and merge ops per step (~26 us of
-device time at batch 1 on the H200, docs/serve_gpu_notes.md)."""
+device time at batch 1 on the H200)."""
 from functools import partial
 
 import torch

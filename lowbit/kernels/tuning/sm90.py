@@ -73,7 +73,7 @@ SM90 = Tuning(
     # against 1.16x, down 1.26-1.33x against 1.13-1.15x); smaller layers (qkv, o) are ~4 % slower on it, NVFP4
     # (0.55-0.61x) pays more for its per-plane block scales than the unpacking saves.
     w4_small_m_min_weights=32 * 2**20,
-    # 8 rows per program for INT4; NVFP4 takes 4 (per token 1.809 -> 1.779 ms). BLOCK_K 2048 divides every KP of
+    # 8 rows per program for INT4; 4 for NVFP4 (per token 1.779 ms against 1.809 at 8). BLOCK_K 2048 divides every KP of
     # Llama-3.1-8B: no masked step.
     w4_gemv_config=frozen({"int4": (8, 2048, 2), "nvfp4": (4, 2048, 2)}),
     w4_gemv_config_m2=frozen({"int4": (8, 2048, 2), "nvfp4": (4, 2048, 2)}),
