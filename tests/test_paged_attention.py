@@ -125,7 +125,10 @@ def test_backend_picks_splits_from_the_longest_decode_context(monkeypatch):
     from lowbit.serve.context import StepContext
 
     seen = []
-    monkeypatch.setattr(pa, "paged_decode", lambda q, *a, num_splits=None, **kw: seen.append(num_splits) or q)
+    fake_decode = lambda q, *a, num_splits=None, **kw: seen.append(num_splits) or q  # noqa: E731
+    monkeypatch.setattr(pa, "paged_decode", fake_decode)
+    if hasattr(triton_attention, "paged_decode"):  # the backend imports it by name (from lowbit.kernels)
+        monkeypatch.setattr(triton_attention, "paged_decode", fake_decode)
     monkeypatch.setattr(triton_attention, "paged_prefill", lambda q, *a, **kw: q.clone())
     cache = torch.zeros(2, 1, 16, 8, 4)  # [2, blocks, block size, 8 KV heads, D]: only its KV-head count is read
     long = LONG_CONTEXT + 100
