@@ -1,21 +1,17 @@
-"""`lowbit bench NAME [ARGS...]`: runs bench/NAME.py's main(ARGS) from a source checkout.
+"""`lowbit bench NAME [ARGS...]`: runs lowbit.bench.NAME's main(ARGS).
 
 Benchmarks print their figures (and write JSON with --json); they are never timed unit tests.
 """
-import functools
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
-from lowbit.errors import UserError
-
-BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 BENCHES = {
-    "kernels": "kernels.py",  # low-precision GEMMs vs cuBLAS bf16 and torch._scaled_mm (GPU)
-    "accuracy": "accuracy.py",  # every recipe on the embedded model: time, size, held-out perplexity (CPU)
-    "serve": "serve_bench.py",  # engine throughput and latency on dummy Llama-3.1-8B weights vs HF generate (GPU)
-    "serve-load": "serve_load.py",  # concurrent streaming clients against `lowbit serve` (loopback)
-    "engine-overhead": "engine_overhead.py",  # the engine's host work per step, model forward stubbed (CPU)
+    "kernels": "kernels",  # low-precision GEMMs vs cuBLAS bf16 and torch._scaled_mm (GPU)
+    "accuracy": "accuracy",  # every recipe on the embedded model: time, size, held-out perplexity (CPU)
+    "serve": "serve_bench",  # engine throughput and latency on dummy Llama-3.1-8B weights vs HF generate (GPU)
+    "serve-load": "serve_load",  # concurrent streaming clients against `lowbit serve` (loopback)
+    "engine-overhead": "engine_overhead",  # the engine's host work per step, model forward stubbed (CPU)
 }
 
 
@@ -25,21 +21,12 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    path = BENCH_DIR / BENCHES[args.name]
-    if not path.is_file():
-        raise UserError(f"{path} not found: benchmarks run from a source checkout (pip install -e .)")
-    return load_script(path.name).main(args.args) or 0
+    return load(args.name).main(args.args) or 0
 
 
-@functools.cache
-def load_script(filename: str):
-    """bench/<filename> as a module, loaded once, by path: bench/ is a folder of scripts, not a package (on sys.path,
-    bench/kernels.py would shadow the PyPI package `kernels` that transformers imports)."""
-    path = BENCH_DIR / filename
-    spec = importlib.util.spec_from_file_location(f"lowbit_bench_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load(name: str):
+    """The module of benchmark `name` (a key of BENCHES)."""
+    return importlib.import_module(f"lowbit.bench.{BENCHES[name]}")
 
 
 def json_lines(path: Path | None = None):

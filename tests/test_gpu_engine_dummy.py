@@ -1,20 +1,26 @@
 """The engine on dummy weights with the Triton attention backend vs the torch reference backend.
 
 CPU: the Triton interpreter on a tiny fp32 model (attention kernels only; linears run their references).
-GPU: bench/serve_bench.py's check (all kernels + CUDA graphs vs the reference path) on 2 layers of Llama-8B widths.
+GPU: lowbit.bench.serve_bench's check (all kernels + CUDA graphs vs the reference path) on 2 layers of Llama-8B widths.
 """
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from lowbit.bench_cli import load_script  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.serve.layers import attention  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev" / "bench"))  # the lab scripts' loader
+from lab import load_script  # noqa: E402
+
 
 def load_bench():
-    return load_script("serve_bench.py")
+    from lowbit.bench import serve_bench
+    return serve_bench
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or not interpreting(), reason="CPU interpreter test")
@@ -123,7 +129,7 @@ def test_cpu_engine_installs_the_torch_attention_backend():
 
 
 def test_kernel_profile_mixed_step_prompts_match_the_prompts_alone():
-    """bench/kernel_profile.py's mixed step (decodes first, then whole prompts, as the scheduler orders them): the
+    """dev/bench/kernel_profile.py's mixed step (decodes first, then whole prompts, as the scheduler orders them): the
     prompts' logits equal those of the same prompts in a prefill-only step, so the step's positions, slots and
     query offsets are the engine's."""
     kp, bench = load_script("kernel_profile.py"), load_bench()
@@ -141,7 +147,7 @@ def test_kernel_profile_mixed_step_prompts_match_the_prompts_alone():
 
 
 def test_step_profile_lists_slow_steps_with_their_batches():
-    """bench/step_profile.py --slow-ms: every step over the bar is listed with what it scheduled; on the tiny CPU
+    """dev/bench/step_profile.py --slow-ms: every step over the bar is listed with what it scheduled; on the tiny CPU
     engine (a bar of 0 ms lists them all) the listed prompt chunks add up to every prompt token, decodes first."""
     import re
 
@@ -207,7 +213,7 @@ def test_w4_benches_refuse_bad_flags_with_exit_2(capsys, script, argv, message):
 
 
 def test_step_profile_device_gaps():
-    """bench/step_profile.py --trace: the device's idle time between overlapping kernels and copies (ms from us)."""
+    """dev/bench/step_profile.py --trace: the device's idle time between overlapping kernels and copies (ms from us)."""
     sp = load_script("step_profile.py")
     res = sp.device_gaps([(0, 100, "a"), (50, 400, "b"), (300, 350, "c"), (1400, 1500, "d"), (1450, 1600, "e"),
                           (1700, 1800, "f")])
@@ -227,7 +233,7 @@ def test_gpu_fp8_cache_refuses_block_size_not_a_power_of_two(monkeypatch):
 
 
 def test_step_profile_lists_kernel_variants_built_mid_run():
-    """bench/step_profile.py --compiles: Triton's pre-compile hook records [step, kernel] while the run lasts and is
+    """dev/bench/step_profile.py --compiles: Triton's pre-compile hook records [step, kernel] while the run lasts and is
     put back afterwards. The tiny CPU engine builds no compiled kernel (the interpreter): an empty list."""
     from types import SimpleNamespace
 
@@ -255,8 +261,8 @@ def test_static_int8_reference_is_fp32_math_on_the_codes():
     smoothed x (act_quant_ref), exact products, the scales once (the GPU check's baseline); linear_ref (the checkpoint
     reader's convention) rounds the dequantized x to bf16 first, so the two differ by about that rounding only."""
     from lowbit.kernels import linear_ref
-    from lowbit.kernels.act_quant import act_quant_ref
-    from lowbit.kernels import prepare_linear
+    from lowbit.kernels.linear.act_quant import act_quant_ref
+    from lowbit.kernels.linear.qlinear import prepare_linear
     from lowbit.testing.synthetic import quantize_linear
 
     bench = load_bench()

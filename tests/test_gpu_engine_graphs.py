@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import torch
 
-from lowbit.bench_cli import load_script
 from lowbit.serve.runner import kv_cache
 from lowbit.serve.runner.cuda_graphs import DecodeGraphs
 from lowbit.serve.runner.model_runner import HostInputs, PendingTokens
@@ -77,7 +76,8 @@ def test_graph_sizes_and_padding():
 def test_long_context_graphs():
     """A batch whose longest context is over long_context(graph size) replays the graph captured with long host-side
     contexts (so its attention took decode_splits' long-context split count), where that count differs."""
-    from lowbit.kernels.paged_attention import LONG_CONTEXT, decode_splits, long_context
+    from lowbit.kernels.attention.paged_attention import decode_splits, long_context
+    LONG_CONTEXT = long_context(1)  # keys past which a batch of up to 3 takes the long-context splits
 
     seen = []
 
@@ -109,7 +109,7 @@ def test_engine_decode_through_padded_graph_buffers_matches_eager():
     from lowbit.serve.layers.triton_attention import TritonAttentionBackend
     if not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 before triton's import")
-    bench = load_script("serve_bench.py")
+    from lowbit.bench import serve_bench as bench
     args = bench.parse(["--tiny", "--device", "cpu"])
     engine = bench.build_engine(args, "bf16", enable_prefix_caching=False, max_batch_size=4, num_kv_blocks=64,
                                 overlap_steps=True)  # decode inputs merge the tokens still on the device

@@ -1,10 +1,10 @@
-"""The decode graphs' input load (lowbit.kernels.decode_inputs): the Triton kernel (CPU interpreter, or the GPU)
+"""The decode graphs' input load (lowbit.kernels.ops.decode_inputs): the Triton kernel (CPU interpreter, or the GPU)
 writes exactly what its torch reference writes into static buffers that already hold an earlier step's values."""
 import pytest
 import torch
 
 from lowbit.kernels._triton import HAS_TRITON, interpreting
-from lowbit.kernels.decode_inputs import load_decode_inputs, load_decode_inputs_ref
+from lowbit.kernels.ops.decode_inputs import load_decode_inputs, load_decode_inputs_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 pytestmark = pytest.mark.skipif(not HAS_TRITON or (DEVICE == "cpu" and not interpreting()),

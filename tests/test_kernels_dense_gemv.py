@@ -1,6 +1,6 @@
-"""Decode GEMV for plain bf16 / fp16 weights (lowbit.kernels.dense_gemv, M = 1) on CPU under the Triton interpreter,
+"""Decode GEMV for plain bf16 / fp16 weights (lowbit.kernels.linear.dense_gemv, M = 1) on CPU under the Triton interpreter,
 against fp32 math rounded to the output dtype: one and several K steps, K ragged (masked last step), N odd / not a
-multiple of BLOCK_N, bias, several chunks per thread. The GPU side: bench/dense_gemv_bench.py (same reference)."""
+multiple of BLOCK_N, bias, several chunks per thread. The GPU side: dev/bench/dense_gemv_bench.py (same reference)."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 from lowbit.kernels._triton import interpreting  # noqa: E402
-from lowbit.kernels.dense_gemv import dense_gemv  # noqa: E402
+from lowbit.kernels.linear.dense_gemv import dense_gemv  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(),
                                 reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
@@ -50,8 +50,8 @@ def test_dense_gemv_rejects_a_config_that_does_not_cover_the_threads():
 ])
 def test_fp8_gemv_matches_scaled_gemm_ref(k, n, config, row_scales, bias):
     """FP8 codes times FP8 codes are exact in fp32: only the order of the fp32 sums differs from the reference."""
-    from lowbit.kernels.dense_gemv import fp8_gemv
-    from lowbit.kernels.scaled_gemm import scaled_gemm_ref
+    from lowbit.kernels.linear.dense_gemv import fp8_gemv
+    from lowbit.kernels.linear.scaled_gemm import scaled_gemm_ref
 
     g = torch.Generator().manual_seed(k + n)
     q = (torch.randn(1, k, generator=g) * 20).to(torch.float8_e4m3fn)
@@ -68,8 +68,8 @@ def test_fp8_gemv_matches_scaled_gemm_ref(k, n, config, row_scales, bias):
 @pytest.mark.parametrize("k,d,config", [(1024, 12, (8, 256, 1)), (300, 5, (4, 256, 1)), (1000, 9, (8, 512, 2))])
 def test_dense_gemv_silu_mul_matches_silu_and_mul(k, d, config):
     """silu_mul: each program pairs BLOCK_N / 2 gate rows with their up rows (D odd, not a multiple of BLOCK_N / 2)."""
-    from lowbit.kernels.activation import silu_and_mul_ref
-    from lowbit.kernels.dense_gemv import dense_gemv_ref
+    from lowbit.kernels.ops.activation import silu_and_mul_ref
+    from lowbit.kernels.linear.dense_gemv import dense_gemv_ref
 
     g = torch.Generator().manual_seed(k + d)
     x = torch.randn(1, k, generator=g).to(torch.float16)

@@ -6,9 +6,9 @@ import torch
 pytest.importorskip("triton")
 
 from lowbit.kernels._triton import interpreting  # noqa: E402
-from lowbit.kernels.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
-from lowbit.kernels.norm import rms_norm_ref, rms_norm_triton  # noqa: E402
-from lowbit.kernels.rotary import rotary_qk_ref, rotary_ref, rotary_triton  # noqa: E402
+from lowbit.kernels.ops.activation import silu_and_mul_ref, silu_and_mul_triton  # noqa: E402
+from lowbit.kernels.ops.norm import rms_norm_ref, rms_norm_triton  # noqa: E402
+from lowbit.kernels.ops.rotary import rotary_qk_ref, rotary_ref, rotary_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the deferred-scale tests run on the GPU too
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not interpreting(),

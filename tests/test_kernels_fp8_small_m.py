@@ -1,17 +1,18 @@
-"""FP8 small-M GEMM (lowbit.kernels.fp8_small_m) on CPU under the Triton interpreter, against scaled_gemm_ref:
+"""FP8 small-M GEMM (lowbit.kernels.linear.fp8_small_m) on CPU under the Triton interpreter, against scaled_gemm_ref:
 M = 1..32, ragged N and K, per-tensor / per-row weight scales, per-token x scales, bias, tiles owned by one program
 and tiles shared by several (split K in the same launch, programs spanning several tiles). fp16 outputs (the
-interpreter truncates fp32 -> bf16); the GPU check is bench/fp8_small_m.py."""
+interpreter truncates fp32 -> bf16); the GPU check is dev/bench/fp8_small_m.py."""
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from lowbit.kernels import fp8_small_m as fsm, scratch  # noqa: E402
-from lowbit.kernels import w8a8  # noqa: E402
+from lowbit.kernels.linear import fp8_small_m as fsm, scratch  # noqa: E402
+from lowbit.kernels import tuning  # noqa: E402
+from lowbit.kernels.linear import w8a8  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
-from lowbit.kernels.scaled_gemm import scaled_gemm_ref  # noqa: E402
+from lowbit.kernels.linear.scaled_gemm import scaled_gemm_ref  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(
     not interpreting(), reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
@@ -113,28 +114,30 @@ def test_w8a8_scale_kinds_and_cpu_route():
     assert w8a8.scale_kind(one, rows) == "per_row"
     assert w8a8.scale_kind(tokens, rows) == "per_token"
     q = fp8(torch.randn(3, 32))
-    assert not w8a8.small_m_applies(q, fp8(torch.randn(8, 32)), one, rows)  # CPU tensors never take the kernel
-    assert not w8a8.fp8_gemv_applies(q[:1], fp8(torch.randn(8, 32)), one)
+    assert w8a8._arch(q) is None  # CPU tensors never take the GPU-only kernels
+    assert w8a8._route(q, fp8(torch.randn(8, 32)), one, rows) == "scaled_gemm"
+    assert w8a8._route(q[:1], fp8(torch.randn(8, 32)), one, one) == "scaled_gemm"
 
 
 @pytest.mark.parametrize("m,n,k,scale_a,routed", [
     (1, 48, 64, "one", True),  # one row, one activation scale: the GEMV
     (1, 48, 64, "token", True),  # a dynamic per-token scale of one row is one scale too
     (2, 48, 64, "one", False),  # two rows: the tensor-core route
-    (1, 4096 * 6 + 1, 1024, "one", False),  # over FP8_GEMV_MAX_WEIGHTS
+    (1, 4096 * 6 + 1, 1024, "one", False),  # over Tuning.fp8_gemv_max_weights
 ])
 def test_one_fp8_row_of_a_small_layer_runs_the_gemv(monkeypatch, m, n, k, scale_a, routed):
-    """w8a8_linear_prequantized sends one row of a layer up to FP8_GEMV_MAX_WEIGHTS to fp8_gemv on Hopper (GPU
-    checks stubbed, the routes recorded) and everything else to the tensor-core route."""
+    """w8a8_linear_prequantized sends one row of a layer up to Tuning.fp8_gemv_max_weights to fp8_gemv on Hopper
+    (the GPU check stubbed, the routes recorded) and everything else to the tensor-core route."""
     q, w = fp8(torch.randn(m, k)), torch.zeros(n, k, dtype=torch.float8_e4m3fn)
     sa = torch.tensor(0.5) if scale_a == "one" else torch.rand(m, 1)
     calls = []
-    monkeypatch.setattr(w8a8, "on_gpu", lambda t: True)
-    monkeypatch.setattr(w8a8.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(w8a8, "_arch", lambda t: (9, 0))
     monkeypatch.setattr(w8a8, "fp8_gemv", lambda *a: calls.append(("gemv", a[6])))
-    monkeypatch.setattr(w8a8, "tensor_core_linear", lambda *a: calls.append(("tensor_core", None)))
+    for name in ("fp8_small_m_gemm", "scaled_gemm"):
+        monkeypatch.setattr(w8a8, name, lambda *a: calls.append(("tensor_core", None)))
+    monkeypatch.setitem(w8a8._SCALED_MM, "scaled_mm_rowwise", lambda *a: calls.append(("tensor_core", None)))
     w8a8.w8a8_linear_prequantized(q, w, torch.rand(n), sa, None, torch.bfloat16)
-    assert calls == ([("gemv", w8a8.FP8_GEMV_CONFIG)] if routed else [("tensor_core", None)])
+    assert calls == ([("gemv", tuning.current().fp8_gemv_config)] if routed else [("tensor_core", None)])
 
 
 def int8_inputs(m, k, n, per_token, bias, seed):
@@ -182,12 +185,11 @@ def test_small_m_gemms_refuse_the_other_dtype():
 @pytest.mark.parametrize("m,route", [(1, "gemv"), (2, "gemv"), (3, "small_m"), (8, "small_m"), (32, "small_m"),
                                      (33, "gemm")])
 def test_int8_rows_route(monkeypatch, m, route):
-    """w8a8_linear_prequantized on Hopper (GPU checks stubbed): int8_gemv up to INT8_GEMV_MAX_M rows, the small-M
-    GEMM's int8 form up to INT8_SMALL_M_MAX, the int8 GEMM above."""
+    """w8a8_linear_prequantized on Hopper (the GPU check stubbed): int8_gemv up to Tuning.int8_gemv_max_m rows, the
+    small-M GEMM's int8 form up to int8_small_m_max_m, the int8 GEMM above."""
     q, w, sa, sb, _ = int8_inputs(m, 64, 48, False, False, seed=7)
     calls = []
-    monkeypatch.setattr(w8a8, "on_gpu", lambda t: True)
-    monkeypatch.setattr(w8a8.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(w8a8, "_arch", lambda t: (9, 0))
     monkeypatch.setattr(w8a8.int8_gemv, "int8_gemv", lambda *a: calls.append("gemv"))
     monkeypatch.setattr(w8a8, "int8_small_m_gemm", lambda *a: calls.append("small_m"))
     monkeypatch.setattr(w8a8, "scaled_gemm", lambda *a: calls.append("gemm"))

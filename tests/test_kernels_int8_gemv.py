@@ -1,7 +1,7 @@
-"""INT8 W8A8 at small M by dp4a (lowbit.kernels.int8_gemv) on CPU under the Triton interpreter, against the torch
+"""INT8 W8A8 at small M by dp4a (lowbit.kernels.linear.int8_gemv) on CPU under the Triton interpreter, against the torch
 reference scaled_gemm_ref: x rows 1-8, per-tensor and per-row weight scales, per-tensor and per-token x scales,
 bias, K ragged (masked words), N not a multiple of BLOCK_N, the extreme int8 values (sign extension). The
-interpreter emulates dp4a with shifts (the GPU runs inline PTX; bench/int8_gemv_bench.py checks that path against
+interpreter emulates dp4a with shifts (the GPU runs inline PTX; dev/bench/int8_gemv_bench.py checks that path against
 the same reference)."""
 
 import pytest
@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("triton")
 
 from lowbit.kernels._triton import interpreting  # noqa: E402
-from lowbit.kernels import int8_gemv  # noqa: E402
-from lowbit.kernels.scaled_gemm import scaled_gemm_ref  # noqa: E402
+from lowbit.kernels.linear import int8_gemv  # noqa: E402
+from lowbit.kernels.linear.scaled_gemm import scaled_gemm_ref  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(),
                                 reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
@@ -28,7 +28,7 @@ def rel_err(out, ref):
     (3, 1040, 18, (8, 512, 1), True, True, True),  # ragged K (65 chunks in steps of 32), N past the tile, per-token
     (8, 4096, 8, (4, 1024, 2), False, False, True),  # MAX_M rows, 2 warps
     (6, 2048, 24, (8, 1024, 2), True, True, False),  # rows 6, 7 of an 8-row program masked
-    (5, 100, 9, None, False, True, False),  # the default CONFIG, K under one chunk per thread
+    (5, 100, 9, None, False, True, False),  # the default config, K under one chunk per thread
 ])
 def test_int8_gemv_matches_reference(m, k, n, config, sa_rows, sb_rows, bias):
     g = torch.Generator().manual_seed(m * 1000 + k + n)

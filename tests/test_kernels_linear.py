@@ -8,8 +8,8 @@ import torch
 from lowbit.checkpoint.formats import reference_linear  # noqa: E402
 from lowbit.kernels import linear, linear_ref, prepare_linear  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
-from lowbit.kernels.qlinear import run_kernels  # noqa: E402
-from lowbit.kernels.synthetic import quantize_linear  # noqa: E402
+from lowbit.kernels.linear.qlinear import run_kernels  # noqa: E402
+from lowbit.testing.synthetic import quantize_linear  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(not interpreting(), reason="needs triton and TRITON_INTERPRET=1 at its import")
 

@@ -15,9 +15,10 @@ from lowbit.kernels import _triton  # noqa: E402
 
 def _all_kernels():
     found = []
-    for info in pkgutil.iter_modules(lowbit.kernels.__path__):
-        module = importlib.import_module(f"lowbit.kernels.{info.name}")
-        found += [(f"{info.name}.{name}", k) for name, k in vars(module).items()
+    for info in pkgutil.walk_packages(lowbit.kernels.__path__, "lowbit.kernels."):
+        module = importlib.import_module(info.name)
+        short = info.name.rsplit(".", 1)[-1]
+        found += [(f"{short}.{name}", k) for name, k in vars(module).items()
                   if isinstance(k, _triton.kernel) and k.fn.__module__ == module.__name__]
     return found
 

@@ -1,7 +1,7 @@
-"""The large-M weight-only 4-bit path (lowbit.kernels.w4_dequant: dequantize into a 16-bit scratch, then one GEMM)
+"""The large-M weight-only 4-bit path (lowbit.kernels.linear.w4_dequant: dequantize into a 16-bit scratch, then one GEMM)
 on CPU under the Triton interpreter, against the torch references: the dequantized weight against dequantize_w4
 (INT4 groups 16-512, a group straddling tiles, NVFP4; K padded, N not a multiple of the tile), and w4a16_gemm at
-M >= DEQUANT_MIN_M against w4a16_gemm_ref (pre_quant_scale and bias). fp16 throughout: the interpreter truncates
+M >= Tuning.w4_dequant_min_m against w4a16_gemm_ref (pre_quant_scale and bias). fp16 throughout: the interpreter truncates
 fp32 -> bf16 casts."""
 
 import pytest
@@ -9,9 +9,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from lowbit.kernels import tuning  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
-from lowbit.kernels import w4_dequant, w4a16  # noqa: E402
-from lowbit.kernels.synthetic import random_w4_weight  # noqa: E402
+from lowbit.kernels.linear import w4_dequant, w4a16  # noqa: E402
+from lowbit.testing.synthetic import random_w4_weight  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(),
                                 reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
@@ -38,13 +39,13 @@ def test_dequantized_weight_matches_reference(fmt, k, n, group):
 
 @pytest.mark.parametrize("fmt,smooth,bias", [("int4", True, True), ("nvfp4", False, True), ("int4", False, False)])
 def test_large_m_gemm_matches_reference(fmt, smooth, bias, monkeypatch):
-    m, k, n = w4a16.DEQUANT_MIN_M[fmt], 384, 24
+    m, k, n = tuning.current().w4_dequant_min_m[fmt], 384, 24
     g = torch.Generator().manual_seed(7)
     sm = (0.5 + torch.rand(k, generator=g)).half() if smooth else None
     packed = random_w4_weight(fmt, n, k, 128, sm, seed=3)
     x = torch.randn(m, k, generator=g).half()
     b = torch.randn(n, generator=g).half() if bias else None
-    monkeypatch.setattr(w4a16, "tensor_core_gemm", None)  # M >= DEQUANT_MIN_M must not reach the other kernels
+    monkeypatch.setattr(w4a16, "tensor_core_gemm", None)  # M >= w4_dequant_min_m must not reach the other kernels
     out = w4a16.w4a16_gemm(x, packed, b)
     ref = w4a16.w4a16_gemm_ref(x, packed, b)
     assert out.shape == (m, n) and out.dtype == torch.float16
@@ -55,7 +56,7 @@ def test_large_m_gemm_matches_reference(fmt, smooth, bias, monkeypatch):
 @pytest.mark.parametrize("fmt,m,dequant", [("int4", 256, False), ("int4", 257, True), ("nvfp4", 128, False),
                                            ("nvfp4", 129, True)])
 def test_dequant_rows_per_format(fmt, m, dequant, monkeypatch):
-    """w4a16_gemm takes the dequant path from DEQUANT_MIN_M[fmt] rows (INT4 257, NVFP4 129: where the H200 measured
+    """w4a16_gemm takes the dequant path from Tuning.w4_dequant_min_m[fmt] rows (INT4 257, NVFP4 129: where the H200 measured
     it faster than the tensor-core kernel) and the tensor-core kernel below; both still match the reference."""
     calls = []
     for name, mod in (("dequant_linear", w4_dequant), ("tensor_core_gemm", w4a16)):
@@ -78,4 +79,5 @@ def test_tuned_configs_cover_llama_shapes():
         for kp, n in shapes:
             for m, block_m in ((17, 32), (32, 32), (33, 64), (64, 64), (65, 128), (128, 128), (129, 128), (512, 128)):
                 cfg = w4a16.choose_config(m, n, kp, fmt)
-                assert cfg == w4a16.TUNED[(fmt, kp, n, w4a16._m_bucket(m))] and cfg[0] == block_m, (fmt, n, m, cfg)
+                tuned = tuning.current().w4_gemm_tuned[(fmt, kp, n, w4a16.m_bucket(m))]
+                assert cfg == tuned and cfg[0] == block_m, (fmt, n, m, cfg)

@@ -1,18 +1,21 @@
-"""Decode GEMV for 4-bit weights (lowbit.kernels.w4_gemv, M = 1) on CPU under the Triton interpreter, against the
+"""Decode GEMV for 4-bit weights (lowbit.kernels.linear.w4_gemv, M = 1) on CPU under the Triton interpreter, against the
 torch reference w4a16_gemm_ref: INT4 groups 16/32/64/128/256 and NVFP4, pre_quant_scale and bias, K ragged (not a
 multiple of BLOCK_K: masked x and chunks) and padded (not a multiple of 128), N odd / not a multiple of BLOCK_N,
 several chunks per thread. The interpreter runs the pure-Triton fp16 -> fp32 conversion (the GPU runs inline PTX;
-bench/w4_gemv_bench.py checks that path against the same reference). fp16 inputs: the interpreter truncates
+dev/bench/w4_gemv_bench.py checks that path against the same reference). fp16 inputs: the interpreter truncates
 fp32 -> bf16 casts (~4e-3 relative error that the GPU, rounding to nearest, does not have)."""
+
+import dataclasses
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from lowbit.kernels import tuning  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
-from lowbit.kernels import w4_gemv, w4a16  # noqa: E402
-from lowbit.kernels.synthetic import random_w4_weight  # noqa: E402
+from lowbit.kernels.linear import w4_gemv, w4a16  # noqa: E402
+from lowbit.testing.synthetic import random_w4_weight  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(),
                                 reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
@@ -92,9 +95,9 @@ def test_gemv_accumulates_in_fp32(fmt, group, tol):
 
 
 def test_w4a16_gemm_dispatches_decode_to_the_gemv(monkeypatch):
-    """w4a16_gemm runs M <= GEMV_MAX_M (= 2) on the GEMV, M = 3 on the tensor-core kernel (w4_mma, whose MMA_ROWS come
-    first, switched off here; tests/test_kernels_w4_mma.py checks that order)."""
-    monkeypatch.setattr(w4a16, "MMA_ROWS", {})
+    """w4a16_gemm runs M <= Tuning.w4_gemv_max_m (= 2) on the GEMV, M = 3 on the tensor-core kernel (w4_mma, whose
+    w4_mma_rows come first, switched off here; tests/test_kernels_w4_mma.py checks that order)."""
+    monkeypatch.setattr(tuning, "_OVERRIDE", [dataclasses.replace(tuning.current(), w4_mma_rows={})])
     packed = random_w4_weight("nvfp4", 64, 2048, 16, None, seed=3)
     calls = []
     real = w4_gemv.w4_gemv
@@ -103,7 +106,7 @@ def test_w4a16_gemm_dispatches_decode_to_the_gemv(monkeypatch):
         x = torch.randn(m, 2048, generator=torch.Generator().manual_seed(m)).half()
         out = w4a16.w4a16_gemm(x, packed)
         assert rel_err(out, w4a16.w4a16_gemm_ref(x, packed)) < 2e-3
-    assert w4_gemv.GEMV_MAX_M == 2 and calls == [1, 2]
+    assert tuning.for_capability((9, 0)).w4_gemv_max_m == 2 and calls == [1, 2]
 
 
 def test_gemv_rejects_bad_shapes():

@@ -1,18 +1,21 @@
-"""4-bit weights on mma.sync for 1 <= M <= 16 x rows (lowbit.kernels.w4_mma) on CPU under the Triton interpreter,
+"""4-bit weights on mma.sync for 1 <= M <= 16 x rows (lowbit.kernels.linear.w4_mma) on CPU under the Triton interpreter,
 against the torch reference w4a16_gemm_ref: x row counts up to 16 (each lane holds two x rows of each mma's D; rows
 9-16 are a second B tile), INT4 groups 128 and 256 and NVFP4 (block scales in the A registers), bf16 and fp16 x,
 pre_quant_scale and bias, K ragged (not a multiple of BLOCK_K: masked x) and padded, N not a multiple of the 16-row
 tile, split-K over warps. The interpreter emulates the dequantization and the warp's mma (the GPU runs inline PTX;
-bench/w4_mma_bench.py checks that path against the same reference)."""
+dev/bench/w4_mma_bench.py checks that path against the same reference)."""
+
+import dataclasses
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from lowbit.kernels import tuning  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
-from lowbit.kernels import w4_mma, w4a16  # noqa: E402
-from lowbit.kernels.synthetic import random_w4_weight  # noqa: E402
+from lowbit.kernels.linear import w4_mma, w4a16  # noqa: E402
+from lowbit.testing.synthetic import random_w4_weight  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(),
                                 reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
@@ -32,7 +35,7 @@ def rel_err(out, ref):
     ("int4", 1, 768, 18, 128, torch.float16, (16, 256, 1), False, True),  # N past the tile, fp16 (the f16 mma's magic)
     ("int4", 5, 896, 16, 128, torch.bfloat16, (32, 512, 2), True, False),  # K ragged (7 blocks in steps of 4): masked x
     ("int4", 8, 1024, 48, 256, torch.float16, (16, 512, 1), False, False),  # groups of 256
-    ("int4", 2, 512, 16, 128, torch.bfloat16, None, False, True),  # MMA_CONFIG: one masked step
+    ("int4", 2, 512, 16, 128, torch.bfloat16, None, False, True),  # Tuning.w4_mma_config: one masked step
     ("int4", 16, 1024, 32, 128, torch.float16, (16, 512, 2), False, True),  # two x tiles, all rows
     ("int4", 11, 896, 16, 128, torch.bfloat16, (32, 512, 2), True, False),  # two x tiles, rows 11-15 of the second zero
     ("nvfp4", 8, 1024, 32, 16, torch.bfloat16, (16, 512, 2), False, True),  # block scales in A, f16 mmas
@@ -62,8 +65,8 @@ def test_supports():
 
 
 def test_w4a16_gemm_routes_mma_rows(monkeypatch):
-    """With MMA_ROWS covering M, w4a16_gemm runs w4_mma (no other kernel), and still matches the reference."""
-    monkeypatch.setattr(w4a16, "MMA_ROWS", {"int4": (1, 8)})
+    """With w4_mma_rows covering M, w4a16_gemm runs w4_mma (no other kernel), and still matches the reference."""
+    monkeypatch.setattr(tuning, "_OVERRIDE", [dataclasses.replace(tuning.current(), w4_mma_rows={"int4": (1, 8)})])
     monkeypatch.setattr(w4a16.w4_gemv, "w4_gemv", None)
     monkeypatch.setattr(w4a16, "tensor_core_gemm", None)
     packed = random_w4_weight("int4", 16, 512, 128, None, seed=2)
@@ -78,7 +81,7 @@ def test_w4a16_gemm_routes_mma_rows(monkeypatch):
     ("nvfp4", 16, 9, False), ("nvfp4", 16, 16, False),
 ])
 def test_default_mma_rows(monkeypatch, fmt, group, m, takes_mma):
-    """The default MMA_ROWS: INT4 (groups of 128 or more) and NVFP4 at M = 2-8; M = 1 stays on the GEMV, 9-16 go to
+    """The default w4_mma_rows: INT4 (groups of 128 or more) and NVFP4 at M = 2-8; M = 1 stays on the GEMV, 9-16 go to
     the tensor-core kernel (or w4_small_m)."""
     calls = []
     ref = w4a16.w4a16_gemm_ref
@@ -91,7 +94,8 @@ def test_default_mma_rows(monkeypatch, fmt, group, m, takes_mma):
 
 
 def test_choose_config():
-    """Rows 9-16 of wide layers take WIDE_CONFIG; everything else MMA_CONFIG."""
-    assert w4_mma.choose_config(16, 28672) == w4_mma.WIDE_CONFIG
-    assert w4_mma.choose_config(8, 28672) == w4_mma.MMA_CONFIG
-    assert w4_mma.choose_config(16, 6144) == w4_mma.MMA_CONFIG
+    """Rows 9-16 of wide layers take Tuning.w4_mma_wide_config; everything else w4_mma_config."""
+    t = tuning.current()
+    assert w4_mma.choose_config(16, 28672) == t.w4_mma_wide_config
+    assert w4_mma.choose_config(8, 28672) == t.w4_mma_config
+    assert w4_mma.choose_config(16, 6144) == t.w4_mma_config

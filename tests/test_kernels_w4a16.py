@@ -1,15 +1,18 @@
 """4-bit weight-only GEMM: packing round trip and the Triton kernel (CPU interpreter, fp16: the interpreter's bf16
 tl.dot is wrong) against the torch reference, for INT4 (modelopt AWQ) and NVFP4 weights."""
 
+import dataclasses
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from lowbit.kernels import tuning  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.checkpoint.formats import dequantize_weight  # noqa: E402
-from lowbit.kernels import w4_small_m, w4a16  # noqa: E402
-from lowbit.kernels.synthetic import quantize_linear  # noqa: E402
+from lowbit.kernels.linear import w4_small_m, w4a16  # noqa: E402
+from lowbit.testing.synthetic import quantize_linear  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(),
                                 reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")
@@ -45,7 +48,7 @@ def test_kernel_matches_reference(fmt, m, k, group, split, prefetch, monkeypatch
     """The tensor-core kernel (weights dequantized from bytes: _byte_nibbles) against the fp32 reference: groups of
     32 to 256, ragged K, pre_quant_scale (INT4), bias, K splits (odd tile counts per split), partial M and N tiles;
     the scales loaded one tile ahead or not."""
-    monkeypatch.setattr(w4a16, "PREFETCH_SCALES", prefetch)
+    monkeypatch.setattr(tuning, "_OVERRIDE", [dataclasses.replace(tuning.current(), w4_prefetch_scales=prefetch)])
     n = 80  # not a multiple of BLOCK_N: the last block is partial
     g = torch.Generator().manual_seed(m)
     smooth = (0.5 + torch.rand(k, generator=g)).half() if fmt == "int4" else None
@@ -106,11 +109,11 @@ def test_small_m_dispatch(monkeypatch):
     assert not w4_small_m.takes(16, 6144, 4096, "int4")  # qkv-sized: the tensor-core kernel was as fast
     assert not w4_small_m.takes(16, 28672, 4096, "nvfp4")
     calls = []  # the dispatch itself, on layers small enough for the interpreter
-    monkeypatch.setattr(w4_small_m, "LARGE_LAYER", 48 * 256)
+    monkeypatch.setattr(tuning, "_OVERRIDE", [dataclasses.replace(tuning.current(), w4_small_m_min_weights=48 * 256)])
     monkeypatch.setattr(w4_small_m, "w4_small_m", lambda x, w, bias=None: calls.append(w.fmt) or "small_m")
     for fmt, group in (("int4", 128), ("nvfp4", 16)):
         _, packed = _packed(fmt, 48, 256, group)
-        for m in (1, 12, 17):  # M = 2-8 of INT4 runs w4_mma first (w4a16.MMA_ROWS)
+        for m in (1, 12, 17):  # M = 2-8 of INT4 runs w4_mma first (Tuning.w4_mma_rows)
             out = w4a16.w4a16_gemm(torch.randn(m, 256).half(), packed)
             assert (out == "small_m") == (fmt == "int4" and m == 12)
     assert calls == ["int4"]

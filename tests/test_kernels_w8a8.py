@@ -2,7 +2,7 @@
 
 The interpreter rounds fp32 -> fp8 wrongly on ~2% of elements (to half the value near a power of two, see
 /work/shared/ENV.md), so fp8 quantization is compared by mismatch fraction, and the GEMM is fed reference-quantized
-inputs; the GPU check in bench/kernels.py holds the tight tolerances.
+inputs; the GPU check in lowbit/bench/kernels.py holds the tight tolerances.
 """
 
 import pytest
@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("triton")
 
 from lowbit.kernels._triton import interpreting  # noqa: E402
-from lowbit.kernels.act_quant import act_quant, act_quant_ref  # noqa: E402
-from lowbit.kernels.scaled_gemm import scaled_gemm, scaled_gemm_ref  # noqa: E402
+from lowbit.kernels.linear.act_quant import act_quant, act_quant_ref  # noqa: E402
+from lowbit.kernels.linear.scaled_gemm import scaled_gemm, scaled_gemm_ref  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not interpreting(),
                                 reason="needs the Triton interpreter (TRITON_INTERPRET=1 before triton's import)")

@@ -3,13 +3,16 @@
 CPU: the Triton interpreter at tiny shapes in fp16/fp32 (bf16 tl.dot is wrong there). GPU: bf16 at Llama-8B heads.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from lowbit.kernels import paged_attention as pa  # noqa: E402
-from lowbit.kernels.paged_prefill import paged_prefill  # noqa: E402
+from lowbit.kernels.attention import paged_attention as pa  # noqa: E402
+from lowbit.kernels.attention.paged_prefill import paged_prefill  # noqa: E402
+from lowbit.kernels import tuning  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,6 +55,7 @@ def make_case(ctx_lens, q_lens, hq, hk, d, bs, dtype, kv_dtype, seed):
 
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 SHAPES = dict(hq=32, hk=8, d=128, bs=16) if DEVICE == "cuda" else dict(hq=4, hk=2, d=32, bs=4)
+LONG_CONTEXT = pa.long_context(1)  # keys past which batch 1 takes the long-context splits
 LONG = 3000 if DEVICE == "cuda" else 150
 
 
@@ -90,7 +94,7 @@ def test_decode_matches_reference(fp8, splits):
 def test_decode_idle_splits_match_reference(fp8, splits, monkeypatch):
     """More splits than a context fills: the idle ones write nothing (their partial rows stay uninitialized) and the
     combine merges only the splits that ran, here 2 partial rows at a time (several passes, the last one masked)."""
-    monkeypatch.setattr(pa, "COMBINE_ROWS", 2)
+    monkeypatch.setattr(tuning, "_OVERRIDE", [dataclasses.replace(tuning.current(), decode_combine_rows=2)])
     kv_dtype = torch.float8_e4m3fn if fp8 else DTYPE
     ctx = [1, 17, LONG, 64, 33]
     c = make_case(ctx, [1] * len(ctx), dtype=DTYPE, kv_dtype=kv_dtype, seed=7, **SHAPES)
@@ -103,12 +107,11 @@ def test_decode_idle_splits_match_reference(fp8, splits, monkeypatch):
 
 def test_decode_splits_policy():
     """Shapes only, plus one bit of the longest context: more splits past long_context(batch), for batches that
-    split at all (Llama-8B's 8 KV heads; the figures behind the constants: paged_attention.py, benchmarks.md runs
-    40-41)."""
-    long = pa.LONG_CONTEXT + 1
+    split at all (Llama-8B's 8 KV heads; the figures behind the values: lowbit/kernels/tuning/sm90.py)."""
+    long = LONG_CONTEXT + 1
     assert [pa.decode_splits(b, 8) for b in (1, 4, 16, 32, 64)] == [16, 9, 3, 2, 1]
     assert [pa.decode_splits(b, 8, long) for b in (1, 4, 16, 32, 64)] == [64, 16, 4, 2, 1]
-    assert pa.decode_splits(1, 8, pa.LONG_CONTEXT) == 16  # up to LONG_CONTEXT keys: as before
+    assert pa.decode_splits(1, 8, LONG_CONTEXT) == 16  # up to LONG_CONTEXT keys: as before
     # the long count starts earlier for larger batches: past 3072 keys up to batch 3, 1024 up to 6, 512 above
     assert [pa.decode_splits(b, 8, 2048) for b in (3, 4, 6, 8)] == [11, 16, 11, 8]
     assert [pa.decode_splits(b, 8, 1024) for b in (4, 6, 8)] == [9, 6, 8]
@@ -122,10 +125,13 @@ def test_backend_picks_splits_from_the_longest_decode_context(monkeypatch):
     from lowbit.serve.context import StepContext
 
     seen = []
-    monkeypatch.setattr(pa, "paged_decode", lambda q, *a, num_splits=None, **kw: seen.append(num_splits) or q)
+    fake_decode = lambda q, *a, num_splits=None, **kw: seen.append(num_splits) or q  # noqa: E731
+    monkeypatch.setattr(pa, "paged_decode", fake_decode)
+    if hasattr(triton_attention, "paged_decode"):  # the backend imports it by name (from lowbit.kernels)
+        monkeypatch.setattr(triton_attention, "paged_decode", fake_decode)
     monkeypatch.setattr(triton_attention, "paged_prefill", lambda q, *a, **kw: q.clone())
     cache = torch.zeros(2, 1, 16, 8, 4)  # [2, blocks, block size, 8 KV heads, D]: only its KV-head count is read
-    long = pa.LONG_CONTEXT + 100
+    long = LONG_CONTEXT + 100
     for ctx_lens, q_lens, decode in (([5], [1], True), ([long], [1], True), ([5, long], [1, 1], True),
                                      ([5, 9, long], [1, 1, 700], False)):
         b = len(ctx_lens)
@@ -157,7 +163,7 @@ def test_fp8_output_for_the_next_linear(splits):
     """With out_scale, decode and prefill write their own model-dtype output quantized to FP8 (out / out_scale): bit
     for bit what quantizing that output afterwards gives (the bf16 output itself is checked against the reference
     by the tests above); the references do the same on their own output."""
-    from lowbit.kernels.norm import quantize_fp8_ref
+    from lowbit.kernels.ops.norm import quantize_fp8_ref
 
     ctx, qlen = [70, 5, 33], [70, 5, 1]
     c = make_case(ctx, qlen, dtype=DTYPE, kv_dtype=torch.float8_e4m3fn, seed=4, **SHAPES)
@@ -184,11 +190,11 @@ def _variant_for_device(v):
     return v if DEVICE == "cuda" else v._replace(block_n=min(v.block_n, 32))
 
 
-@pytest.mark.parametrize("name", list(pa.DECODE_VARIANTS))
+@pytest.mark.parametrize("name", list(tuning.current().decode_variants))
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_variants_match_reference(name, fp8, splits):
-    variant = _variant_for_device(pa.DECODE_VARIANTS[name])
+    variant = _variant_for_device(tuning.current().decode_variants[name])
     ctx = [1, 17, LONG, 64]  # a 1-token context: with 3 splits two of its splits are empty
     kv_dtype = torch.float8_e4m3fn if fp8 else DTYPE
     c = make_case(ctx, [1] * len(ctx), dtype=DTYPE, kv_dtype=kv_dtype, seed=6, **SHAPES)
@@ -220,12 +226,12 @@ def test_fp8_cache_stores_v_transposed_per_block():
 
 def test_decode_variant_depends_on_shapes_only():
     """One choice per (batch, KV heads, cache dtype): a CUDA graph captured at a batch size stays valid."""
-    assert pa.decode_variant(1, 8, True) == pa.DECODE_VARIANTS["blk64w2s3"]  # split context
-    assert pa.decode_variant(64, 8, True) == pa.DECODE_VARIANTS["blk64w2s3"]
-    assert pa.decode_variant(255, 8, True) == pa.DECODE_VARIANTS["blk64w2s3"]
-    assert pa.decode_variant(256, 8, True) == pa.DECODE_VARIANTS["blk32w2s3"]  # the grid fills the card
-    assert pa.decode_variant(512, 8, True) == pa.DECODE_VARIANTS["blk32w2s3"]
-    assert pa.decode_variant(512, 8, False) == pa.DECODE_VARIANTS["rows64"]
+    assert pa.decode_variant(1, 8, True) == tuning.current().decode_variants["blk64w2s3"]  # split context
+    assert pa.decode_variant(64, 8, True) == tuning.current().decode_variants["blk64w2s3"]
+    assert pa.decode_variant(255, 8, True) == tuning.current().decode_variants["blk64w2s3"]
+    assert pa.decode_variant(256, 8, True) == tuning.current().decode_variants["blk32w2s3"]  # the grid fills the card
+    assert pa.decode_variant(512, 8, True) == tuning.current().decode_variants["blk32w2s3"]
+    assert pa.decode_variant(512, 8, False) == tuning.current().decode_variants["rows64"]
 
 
 def test_fp8_decode_tiles_hold_whole_blocks():

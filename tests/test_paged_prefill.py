@@ -1,4 +1,4 @@
-"""The grouped-query prefill kernel (lowbit/kernels/paged_prefill.py) against paged_prefill_ref.
+"""The grouped-query prefill kernel (lowbit/kernels/attention/paged_prefill.py) against paged_prefill_ref.
 
 CPU: the Triton interpreter at tiny shapes in fp16 (bf16 tl.dot is wrong there). GPU: bf16 at Llama-8B heads.
 """
@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from lowbit.kernels import paged_attention as pa  # noqa: E402
-from lowbit.kernels.norm import quantize_fp8_ref  # noqa: E402
-from lowbit.kernels.paged_prefill import paged_prefill  # noqa: E402
+from lowbit.kernels.attention import paged_attention as pa  # noqa: E402
+from lowbit.kernels.ops.norm import quantize_fp8_ref  # noqa: E402
+from lowbit.kernels.attention.paged_prefill import paged_prefill  # noqa: E402
 from test_paged_attention import DEVICE, DTYPE, LONG, SHAPES, make_case, rel_err  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
 

@@ -6,10 +6,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from lowbit.kernels import paged_attention as pa  # noqa: E402
+from lowbit.kernels.attention import paged_attention as pa  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
-from lowbit.kernels.rotary import rotary_qk_ref  # noqa: E402
-from lowbit.kernels.rotary_kv import rotary_store_kv, rotary_store_kv_ref  # noqa: E402
+from lowbit.kernels.ops.rotary import rotary_qk_ref  # noqa: E402
+from lowbit.kernels.attention.rotary_kv import rotary_store_kv, rotary_store_kv_ref  # noqa: E402
 from lowbit.serve.attention import TorchAttentionBackend  # noqa: E402
 from lowbit.serve.triton_attention import TritonAttentionBackend  # noqa: E402
 

@@ -1,22 +1,43 @@
-"""lowbit's kernels: Triton on NVIDIA GPUs, each beside a torch reference of the same signature.
+"""lowbit's kernels, the public face: Triton on NVIDIA GPUs, each op beside a torch reference of the same signature.
 
-The serving engine calls only what is exported here; see docs/kernels_notes.md for layouts and measurements.
+The serving engine imports only the names exported here (`from lowbit.kernels import NAME`); the subpackages
+(linear/, attention/, ops/, routes, tuning) are internals for tests and benchmarks. `import lowbit.kernels` works
+without triton (every op then runs its torch reference) and stays cheap: the linear layer's names are bound here,
+the rest load on first use.
 """
-from lowbit.kernels._triton import HAS_TRITON, all_kernels_early
-from lowbit.kernels.activation import silu_and_mul, silu_and_mul_ref
-from lowbit.kernels.decode_inputs import load_decode_inputs, merge_pending
-from lowbit.kernels.dense_gemv import dense_linear
-from lowbit.kernels.norm import quantize_fp8_ref, rms_norm, rms_norm_ref
-from lowbit.kernels.paged_attention import (decode_splits, gather_kv, long_context, paged_decode, store_kv,
-                                            store_kv_ref)
-from lowbit.kernels.paged_prefill import paged_prefill
-from lowbit.kernels.qlinear import PreparedLinear, linear, linear_ref, prepare_linear
-from lowbit.kernels.rotary import rotary, rotary_qk_ref, rotary_ref
-from lowbit.kernels.rotary_kv import rotary_store_kv
-from lowbit.kernels.sampling import argmax_rows, exponential_noise
+import importlib
 
-__all__ = ["PreparedLinear", "prepare_linear", "linear", "linear_ref", "dense_linear", "rms_norm", "rms_norm_ref",
-           "rotary", "rotary_ref", "rotary_qk_ref", "silu_and_mul", "silu_and_mul_ref", "store_kv", "store_kv_ref",
-           "gather_kv", "paged_decode", "decode_splits", "long_context", "paged_prefill", "rotary_store_kv",
-           "all_kernels_early", "load_decode_inputs", "merge_pending", "argmax_rows", "exponential_noise",
-           "quantize_fp8_ref", "HAS_TRITON"]
+# Bound eagerly: importing the subpackage lowbit.kernels.linear sets this package's attribute `linear` to it, and this
+# import runs after that, so `linear` is the function. (So reach linear-layer internals with
+# `from lowbit.kernels.linear import MODULE`, not `import lowbit.kernels.linear.MODULE as m`.)
+from lowbit.kernels.linear.qlinear import PreparedLinear, linear, linear_ref, prepare_linear
+
+_WHERE = {
+    "lowbit.kernels.linear.dense_gemv": ("dense_linear",),
+    "lowbit.kernels.ops.norm": ("rms_norm", "rms_norm_ref", "quantize_fp8_ref"),
+    "lowbit.kernels.ops.rotary": ("rotary", "rotary_ref", "rotary_qk_ref"),
+    "lowbit.kernels.ops.activation": ("silu_and_mul", "silu_and_mul_ref"),
+    "lowbit.kernels.ops.sampling": ("argmax_rows", "exponential_noise"),
+    "lowbit.kernels.ops.decode_inputs": ("load_decode_inputs", "merge_pending"),
+    "lowbit.kernels.attention.paged_attention": ("store_kv", "store_kv_ref", "gather_kv", "paged_decode",
+                                                 "decode_splits", "long_context"),
+    "lowbit.kernels.attention.paged_prefill": ("paged_prefill",),
+    "lowbit.kernels.attention.rotary_kv": ("rotary_store_kv",),
+    "lowbit.kernels._triton": ("all_kernels_early", "HAS_TRITON"),
+}
+_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
+__all__ = ["PreparedLinear", "prepare_linear", "linear", "linear_ref", *_MODULE_OF]
+
+
+def __getattr__(name: str):
+    """Loads an exported name from its module on first use (PEP 562) and keeps it here."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

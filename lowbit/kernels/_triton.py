@@ -11,7 +11,7 @@ that call it may read only weights (never written while serving). The call waits
 unless this kernel was launched early) and lets the next kernel launch early. `early_kernel`s are launched early:
 the M = 1 GEMVs (w4_gemv, dense_gemv), whose first weight tiles then stream in while the small kernel before them
 finishes. Inside `all_kernels_early()` every kernel is: the decode graphs of the smallest batches are captured so
-(lowbit.serve.cuda_graphs); at batch 16-256 that measured slower (docs/serve_gpu_notes.md). LOWBIT_PDL=0: no PDL.
+(lowbit.serve.cuda_graphs); at batch 16-256 it is slower. LOWBIT_PDL=0: no PDL.
 """
 import contextlib
 import inspect
@@ -48,6 +48,16 @@ def on_gpu(x: torch.Tensor) -> bool:
 def use_triton(x: torch.Tensor) -> bool:
     """The internal launchers' test: a CUDA tensor, or a CPU tensor under the interpreter."""
     return HAS_TRITON and (x.is_cuda or interpreting())
+
+
+_CAPABILITY: dict = {}  # torch.device -> its CUDA capability
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (asked once per device)."""
+    if device not in _CAPABILITY:
+        _CAPABILITY[device] = torch.cuda.get_device_capability(device)
+    return _CAPABILITY[device]
 
 
 _PDL_ON: bool | None = None  # decided once, at the first compiled launch (every launch asks)

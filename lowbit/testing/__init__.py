@@ -1,1 +1,1 @@
-"""Fixtures shared by tests and benchmarks: synthetic quantized weights, dummy checkpoints."""
+"""Helpers for tests and benchmarks: synthetic quantized weights."""

@@ -55,9 +55,9 @@ def quantize_linear(algo: str, w: torch.Tensor, x_amax: float = 4.0, group: int 
 
 
 def random_w4_weight(fmt: str, n: int, k: int, group: int = 128, smooth=None, seed: int = 0):
-    """A packed lowbit.kernels.w4a16.W4Weight ("int4": W4A16_AWQ groups of `group`; "nvfp4") quantized from a random
-    float weight [n, k] (std 0.02, seeded); smooth: the pre_quant_scale [k] or None."""
-    from lowbit.kernels import w4a16
+    """A packed lowbit.kernels.linear.w4a16.W4Weight ("int4": W4A16_AWQ groups of `group`; "nvfp4") quantized from a
+    random float weight [n, k] (std 0.02, seeded); smooth: the pre_quant_scale [k] or None."""
+    from lowbit.kernels.linear import w4a16
 
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.02
     if fmt == "int4":
