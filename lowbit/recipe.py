@@ -5,12 +5,9 @@ from pathlib import Path
 
 import yaml
 
-from lowbit import formats
 from lowbit.errors import UserError
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
-QUANT_ALGOS = tuple(f.name for f in formats.calibrated())  # the formats lowbit quantize makes
-KV_ALGOS = tuple(formats.kv_names())
 ALGORITHMS = ("max", "awq_lite", "smoothquant", "rtn")
 
 
@@ -100,10 +97,13 @@ def validate(r: Recipe) -> None:
     def bad(key, msg):
         raise UserError(f"{r.source}: bad value for '{key}': {msg}")
 
-    if r.quant_algo not in QUANT_ALGOS:
-        bad("quant_algo", f"{r.quant_algo!r} is not one of {', '.join(QUANT_ALGOS)}")
-    if r.kv_cache is not None and r.kv_cache not in KV_ALGOS:
-        bad("kv_cache", f"{r.kv_cache!r} is not one of {', '.join(KV_ALGOS)} or null")
+    from lowbit import formats  # the registry needs torch; importing lowbit must not (the torch-free engine parts)
+
+    quant_algos = [f.name for f in formats.calibrated()]  # the formats lowbit quantize makes
+    if r.quant_algo not in quant_algos:
+        bad("quant_algo", f"{r.quant_algo!r} is not one of {', '.join(quant_algos)}")
+    if r.kv_cache is not None and r.kv_cache not in formats.kv_names():
+        bad("kv_cache", f"{r.kv_cache!r} is not one of {', '.join(formats.kv_names())} or null")
     if r.algorithm not in ALGORITHMS:
         bad("algorithm", f"{r.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
     if not isinstance(r.algorithm_args, dict):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 
-from lowbit.checkpoint.formats import reference_linear  # noqa: E402
+from lowbit.formats import reference_linear  # noqa: E402
 from lowbit.kernels import linear, linear_ref, prepare_linear  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.kernels.linear.qlinear import run_kernels  # noqa: E402

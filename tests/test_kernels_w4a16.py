@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from lowbit.kernels import tuning  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
-from lowbit.checkpoint.formats import dequantize_weight  # noqa: E402
+from lowbit.formats import dequantize_weight  # noqa: E402
 from lowbit.kernels.linear import w4_small_m, w4a16  # noqa: E402
 from lowbit.testing.synthetic import quantize_linear  # noqa: E402
 

@@ -122,7 +122,7 @@ def test_backend_picks_splits_from_the_longest_decode_context(monkeypatch):
     """TritonAttentionBackend.attend: decode_splits of the decode rows' count and their longest context (host
     lengths), for a decode step and for the leading one-token rows of a mixed step (the prefill rows don't count)."""
     from lowbit.serve import triton_attention
-    from lowbit.serve.context import StepContext
+    from lowbit.serve.runner.context import StepContext
 
     seen = []
     fake_decode = lambda q, *a, num_splits=None, **kw: seen.append(num_splits) or q  # noqa: E731

@@ -59,8 +59,8 @@ def test_grouped_prefill_fp8_output():
 def test_mixed_step_splits_decodes_from_prefill(fp8):
     """A mixed step (one-token sequences first, then prefill chunks): the backend's decode + prefill split equals
     the prefill reference over the whole step, and so does a step whose only one-token rows are not leading."""
-    from lowbit.serve.context import StepContext
-    from lowbit.serve.triton_attention import TritonAttentionBackend, leading_single_tokens
+    from lowbit.serve.runner.context import StepContext
+    from lowbit.serve.layers.triton_attention import TritonAttentionBackend, leading_single_tokens
 
     kv_dtype = torch.float8_e4m3fn if fp8 else DTYPE
     # decodes then prompts; a one-token row not leading; one-token prompts only (not a decode step either)

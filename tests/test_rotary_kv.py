@@ -10,8 +10,8 @@ from lowbit.kernels.attention import paged_attention as pa  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.kernels.ops.rotary import rotary_qk_ref  # noqa: E402
 from lowbit.kernels.attention.rotary_kv import rotary_store_kv, rotary_store_kv_ref  # noqa: E402
-from lowbit.serve.attention import TorchAttentionBackend  # noqa: E402
-from lowbit.serve.triton_attention import TritonAttentionBackend  # noqa: E402
+from lowbit.serve.layers.attention import TorchAttentionBackend  # noqa: E402
+from lowbit.serve.layers.triton_attention import TritonAttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not interpreting(),

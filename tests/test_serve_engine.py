@@ -8,7 +8,8 @@ import shutil
 import pytest
 import torch
 
-from lowbit.checkpoint import formats, load_reference_model
+from lowbit import formats
+from lowbit.checkpoint import load_reference_model
 from lowbit.models import DEFAULT_MODEL, resolve
 from lowbit.serve import LLM, SamplingParams
 

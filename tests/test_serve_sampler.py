@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lowbit.kernels._triton import HAS_TRITON, interpreting
-from lowbit.kernels.sampling import exponential_noise_ref
+from lowbit.kernels.ops.sampling import exponential_noise_ref
 from lowbit.serve.runner.sampler import Sampler, sample_rows, step_seed, truncate
 from lowbit.serve.engine.sampling_params import SamplingParams
 
@@ -70,7 +70,7 @@ def test_reference_noise_is_exponential():
 
 @pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="needs the Triton interpreter")
 def test_triton_noise_is_exponential_and_seeded():
-    from lowbit.kernels.sampling import exponential_noise_triton
+    from lowbit.kernels.ops.sampling import exponential_noise_triton
 
     seeds = torch.tensor([3, 2**62 + 1, 3], dtype=torch.int64)
     e = exponential_noise_triton(seeds, 20000)
@@ -98,7 +98,7 @@ def _argmax_cases(device):
 @pytest.mark.skipif(not HAS_TRITON or not (interpreting() or torch.cuda.is_available()),
                     reason="needs the Triton interpreter or a GPU")
 def test_triton_argmax_is_torch_argmax_first_of_ties():
-    from lowbit.kernels.sampling import argmax_rows_triton
+    from lowbit.kernels.ops.sampling import argmax_rows_triton
 
     device = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
     for x in _argmax_cases(device):

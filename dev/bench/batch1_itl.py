@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab import load_script  # noqa: E402
-from lowbit.serve.dummy_weights import FORMATS  # noqa: E402
+from lowbit.testing.dummy_weights import FORMATS  # noqa: E402
 from lowbit.kernels import tuning  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Time to first token of the first single prompts a freshly built engine serves (GPU, dummy Llama-3.1-8B weights).
 
 A prompt whose length reaches a kernel variant nothing built before pays its Triton compile inside its TTFT; the
-engine's warm-up prefills (lowbit.serve.model_runner.WARM_UP_PREFILLS) exist to prevent that. Run with an empty
+engine's warm-up prefills (lowbit.serve.runner.kv_cache.WARM_UP_PREFILLS) exist to prevent that. Run with an empty
 Triton cache to see compiles at all:
 `TRITON_CACHE_DIR=$(mktemp -d) python3 dev/bench/first_requests.py [--format int4_awq] [--isl 1000,3001,700,128,300]`
 Prints the build time, then per prompt (in the order given) its TTFT and median ITL over 8 output tokens.

@@ -1,7 +1,7 @@
 """FP8 merged q/k/v and gate/up GEMM options on the GPU: per-tensor FP8 activations times FP8 weights with one
 scale per output row (what a merged layer of per-tensor parts carries). Options: the parts as separate per-tensor
 `_scaled_mm` calls, cuBLAS row-wise, one per-tensor `_scaled_mm` (the merged GEMM when the parts' scale ratios are
-deferred to the consumers, lowbit.serve.fuse), lowbit's Triton scaled GEMM, per-tensor `_scaled_mm` into fp32 followed by
+deferred to the consumers, lowbit.serve.layers.merge), lowbit's Triton scaled GEMM, per-tensor `_scaled_mm` into fp32 followed by
 the row scales (lowbit's pick off Hopper up to w8a8.PER_TENSOR_THEN_SCALE_MAX_M), lowbit's small-M FP8 GEMM
 (fp8_small_m, M <= 32) and `lowbit` = what w8a8.w8a8_linear_prequantized dispatches to; bf16 cuBLAS for scale. Error vs the fp32
 reference and median us (CUDA-graph replays over weight copies beyond L2, as dev/bench/kernels.py times).

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lowbit.bench_cli import int_pairs  # noqa: E402
 from lab import load_script  # noqa: E402
 from lowbit.kernels.attention.paged_attention import long_context  # noqa: E402
-from lowbit.serve.context import StepContext  # noqa: E402
+from lowbit.serve.runner.context import StepContext  # noqa: E402
 
 GROUPS = (  # (group, substrings of the kernel name), first match wins
     ("attention", ("_decode_kernel", "_combine_kernel", "_prefill")),

@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab import load_script  # noqa: E402
 from lowbit.kernels import linear, linear_ref, rms_norm, rms_norm_ref, rotary, rotary_ref  # noqa: E402
 from lowbit.kernels import silu_and_mul, silu_and_mul_ref  # noqa: E402
-from lowbit.serve import attention as attn_mod  # noqa: E402
-from lowbit.serve import layers as layers_mod  # noqa: E402
-from lowbit.serve.triton_attention import TritonAttentionBackend  # noqa: E402
+from lowbit.serve.layers import attention as attn_mod  # noqa: E402
+from lowbit.serve.layers import ops as layers_mod  # noqa: E402
+from lowbit.serve.layers.triton_attention import TritonAttentionBackend  # noqa: E402
 
 
 def rel(a, b):

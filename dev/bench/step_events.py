@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab import load_script  # noqa: E402
-from lowbit.serve.sampling_params import SamplingParams  # noqa: E402
+from lowbit.serve.engine.sampling_params import SamplingParams  # noqa: E402
 
 STEPS = 20
 FORMATS = ("bf16", "fp8", "int4_awq", "nvfp4")

@@ -15,8 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lab import load_script  # noqa: E402
-from lowbit.serve import engine as engine_module  # noqa: E402
-from lowbit.serve.sampling_params import SamplingParams  # noqa: E402
+from lowbit.serve.engine import engine as engine_module  # noqa: E402
+from lowbit.serve.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def timed(fn, totals, key):

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 
-from lowbit.serve.config import EngineConfig
-from lowbit.serve.dummy_weights import LLAMA_3_1_8B, dummy_checkpoint
-from lowbit.serve.engine import Engine
-from lowbit.serve.sampling_params import SamplingParams
+from lowbit.serve.engine.config import EngineConfig
+from lowbit.testing.dummy_weights import LLAMA_3_1_8B, dummy_checkpoint
+from lowbit.serve.engine.engine import Engine
+from lowbit.serve.engine.sampling_params import SamplingParams
 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 PHASES = ("schedule", "prepare", "sample", "update+outputs")
@@ -156,8 +156,8 @@ def table(rows: list[dict]) -> str:
 
 def stub_detokenizer_and_metrics() -> None:
     """For this process: no text (no stop strings) and no latency histograms."""
-    from lowbit.serve.detokenizer import Detokenizer
-    from lowbit.serve.metrics import Histogram
+    from lowbit.serve.engine.detokenizer import Detokenizer
+    from lowbit.serve.engine.metrics import Histogram
 
     Detokenizer.add = lambda self, token_id: False
     Detokenizer.take = lambda self, finished: ""

@@ -6,7 +6,7 @@ import traceback
 
 import torch
 
-from lowbit.checkpoint.formats import reference_linear
+from lowbit.formats import reference_linear
 from lowbit.kernels import linear, prepare_linear, rms_norm, rms_norm_ref, rotary, rotary_ref
 from lowbit.kernels import silu_and_mul, silu_and_mul_ref
 from lowbit.kernels.linear.act_quant import act_quant, act_quant_ref

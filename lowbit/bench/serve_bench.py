@@ -29,12 +29,12 @@ from lowbit.bench_cli import int_list
 from lowbit.kernels import silu_and_mul_ref
 from lowbit.kernels.linear.act_quant import act_quant_ref
 from lowbit.kernels.ops.norm import quantize_fp8_ref
-from lowbit.serve import attention as attn_mod
-from lowbit.serve import layers as layers_mod
-from lowbit.serve.config import EngineConfig
-from lowbit.serve.dummy_weights import FORMATS, LLAMA_3_1_8B, dummy_checkpoint
-from lowbit.serve.engine import Engine
-from lowbit.serve.sampling_params import SamplingParams
+from lowbit.serve.layers import attention as attn_mod
+from lowbit.serve.layers import ops as layers_mod
+from lowbit.serve.engine.config import EngineConfig
+from lowbit.testing.dummy_weights import FORMATS, LLAMA_3_1_8B, dummy_checkpoint
+from lowbit.serve.engine.engine import Engine
+from lowbit.serve.engine.sampling_params import SamplingParams
 
 TINY = dict(LLAMA_3_1_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=2048, dtype="float32")

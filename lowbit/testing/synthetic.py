@@ -4,7 +4,7 @@ For tests and benchmarks (random weights at real shapes); the quantize pipeline 
 """
 import torch
 
-from lowbit.checkpoint.formats import (E2M1_MAX, FP8_MAX, INT4_MAX, INT8_MAX, nvfp4_quantize, pack_e2m1,
+from lowbit.formats import (E2M1_MAX, FP8_MAX, INT4_MAX, INT8_MAX, nvfp4_quantize, pack_e2m1,
                                        pack_int4_rows)
 
 

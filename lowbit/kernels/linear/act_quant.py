@@ -6,7 +6,7 @@ Returns (q [M, K] float8_e4m3fn | int8, scale fp32: [] when static, [M, 1] when 
 """
 import torch
 
-from lowbit.checkpoint.formats import FP8_MAX, INT8_MAX
+from lowbit.formats import FP8_MAX, INT8_MAX
 from lowbit.kernels._triton import cdiv, helper, kernel, next_pow2, tl, use_triton, wait_for_producers
 
 _MIN_SCALE = 1e-12

@@ -2,7 +2,7 @@
 
 prepare_linear repacks a linear layer's on-disk modelopt tensors (weight, weight_scale, weight_scale_2, input_scale,
 pre_quant_scale) into the layout its kernel wants. `linear` runs the kernel on CUDA and the torch reference
-elsewhere; `linear_ref` is lowbit.checkpoint.formats.reference_linear's semantics: y = Q(x) @ W^T (+ bias), fp32 math.
+elsewhere; `linear_ref` is lowbit.formats.reference_linear's semantics: y = Q(x) @ W^T (+ bias), fp32 math.
 
 On Hopper NVFP4 is served weight-only (no FP4 tensor cores): `linear` does NOT fake-quantize activations to NVFP4,
 `linear_ref` does. The two differ by the activation quantization error (a few percent relative).
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lowbit.checkpoint.formats import dequantize_weight, quantize_activation
+from lowbit.formats import dequantize_weight, quantize_activation
 from lowbit.kernels.linear import w4a16, w8a8
 from lowbit.kernels._triton import on_gpu
 from lowbit.kernels.linear.dense_gemv import dense_linear

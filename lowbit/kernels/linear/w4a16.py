@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lowbit.checkpoint.formats import NVFP4_BLOCK, nvfp4_dequantize, unpack_e2m1, unpack_int4_rows
+from lowbit.formats import NVFP4_BLOCK, nvfp4_dequantize, unpack_e2m1, unpack_int4_rows
 from lowbit.kernels import routes, tuning
 from lowbit.kernels.linear import split_k, w4_dequant, w4_gemv, w4_mma, w4_small_m
 from lowbit.kernels._triton import cdiv, helper, interpreting, kernel, next_pow2, tl, use_triton, wait_for_producers

@@ -6,7 +6,7 @@ at an exact rounding tie): the activation quantization of that linear then costs
 """
 import torch
 
-from lowbit.checkpoint.formats import FP8_MAX
+from lowbit.formats import FP8_MAX
 from lowbit.kernels._triton import kernel, next_pow2, on_gpu, tl, wait_for_producers
 
 
