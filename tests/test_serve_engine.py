@@ -239,7 +239,9 @@ def check_against_reference(path, **engine_args):
             exact += chosen == best
             total += 1
     assert exact >= 0.9 * total
-    alone = llm.generate([prompts[1]], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]  # the reference's shapes
+    # the reference's shapes: the whole prompt in one step (chunks of a smaller max_num_tokens round differently)
+    whole = llm if len(prompts[1]) <= llm.engine.config.max_num_tokens else LLM(str(path), num_kv_blocks=64)
+    alone = whole.generate([prompts[1]], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     with torch.no_grad():
         lp = model(torch.tensor([prompts[1]])).logits[0].float().log_softmax(-1)
     ref_prompt = [lp[i - 1, prompts[1][i]].item() for i in range(1, len(prompts[1]))]
