@@ -2,9 +2,9 @@
 import pytest
 import torch
 
+from lowbit import formats
 from lowbit.kernels import linear_ref, prepare_linear
 from lowbit.testing.synthetic import quantize_linear
-from lowbit.serve.layers.merge import merge_linear_tensors
 from lowbit.serve.layers.linear import MergedLinear
 
 SIZES = [96, 32, 32]  # q, k, v rows
@@ -30,7 +30,7 @@ def parts_for(algo, seed=0):
 @pytest.mark.parametrize("algo", ALGOS)
 def test_merged_layer_equals_parts_side_by_side(algo):
     parts = parts_for(algo)
-    merged = merge_linear_tensors(algo, parts)
+    merged = formats.get(algo).merge(parts)
     assert merged is not None
     x = torch.randn(5, K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     expected = torch.cat([linear_ref(x, prepare_linear(algo, p, "cpu")) for p in parts], dim=-1).float()
@@ -38,12 +38,15 @@ def test_merged_layer_equals_parts_side_by_side(algo):
     # fp32 math on the same dequantized weights; only the GEMM's blocking may differ, then rounding to bf16
     assert ((got - expected).norm() / expected.norm()).item() < 1e-3
     assert (got == expected).float().mean().item() > 0.99
+    layer = MergedLinear(K, SIZES, False, ["q_proj", "k_proj", "v_proj"])  # the loader's path: merged by the format
+    layer.load([algo] * 3, parts, "cpu", torch.bfloat16)
+    assert layer.parts is None and torch.equal(layer(x).float(), got)
 
 
 def test_fp8_unequal_weight_scales_become_per_row_and_stay_exact():
     parts = parts_for("FP8")
     assert len({p["weight_scale"].item() for p in parts}) == 3
-    merged = merge_linear_tensors("FP8", parts)
+    merged = formats.FP8.merge(parts)
     assert merged["weight_scale"].shape == (sum(SIZES), 1)
     assert torch.equal(merged["weight"].view(torch.uint8), torch.cat([p["weight"] for p in parts]).view(torch.uint8))
     assert merged["weight_scale"][SIZES[0], 0] == parts[1]["weight_scale"]
@@ -54,7 +57,7 @@ def test_fp8_unequal_weight_scales_become_per_row_and_stay_exact():
 def test_unequal_shared_scales_are_not_merged(algo, name):
     parts = parts_for(algo)
     parts[1][name] = parts[1][name] * 2
-    assert merge_linear_tensors(algo, parts) is None
+    assert formats.get(algo).merge(parts) is None
 
 
 def test_merged_linear_falls_back_to_parts():

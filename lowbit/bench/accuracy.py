@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit import models
+from lowbit import formats, models
 from lowbit.calibrate.data import builtin_texts, token_batches
 from lowbit.recipe import load_recipe
 
@@ -52,8 +52,9 @@ def stock_config(recipe):
     from lowbit.calibrate.configs import stock_config as stock
 
     cfg = stock(recipe)
-    if recipe.kv_cache == "FP8":
-        cfg = mtq.update_quant_cfg_with_kv_cache_quant(cfg, mtq.FP8_KV_CFG["quant_cfg"])
+    kv = formats.kv_format(recipe.kv_cache)
+    if kv is not None:
+        cfg = mtq.update_quant_cfg_with_kv_cache_quant(cfg, getattr(mtq, kv.stock)["quant_cfg"])
     return cfg
 
 

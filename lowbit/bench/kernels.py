@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-
+from lowbit import formats
 from lowbit.kernels import dense_linear, linear, prepare_linear, rms_norm, rms_norm_ref, silu_and_mul
 from lowbit.kernels import tuning
 from lowbit.kernels.linear import scaled_gemm as sg
@@ -65,18 +65,18 @@ def make_weights(variant, k, n, dev):
     if variant in ("bf16_cublas", "bf16_linear"):
         return 2 * n * k, lambda: torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
     if variant in ("fp8_scaled_mm", "fp8_linear", "fp8_rowwise_linear", "fp8_rowwise_scaled_mm"):
-        algo = "FP8_PER_CHANNEL_PER_TOKEN" if "rowwise" in variant else "FP8"
-        return n * k, lambda: prepare_linear(algo, _fp8_tensors(algo, k, n, dev), dev)
+        fmt = formats.FP8_PER_CHANNEL_PER_TOKEN if "rowwise" in variant else formats.FP8
+        return n * k, lambda: prepare_linear(fmt.name, _fp8_tensors(fmt, k, n, dev), dev)
     if variant in ("int8_gemm", "int8_linear", "int_mm"):
-        return n * k, lambda: prepare_linear("W8A8_SQ_PER_CHANNEL", _int8_tensors(k, n, dev), dev)
+        return n * k, lambda: prepare_linear(formats.W8A8_SQ_PER_CHANNEL.name, _int8_tensors(k, n, dev), dev)
     fmt = "int4" if variant == "w4_int4" else "nvfp4"
     scale_bytes = (4 * n * k // 128) if fmt == "int4" else n * k // 16
     return n * k // 2 + scale_bytes, lambda: _w4_weight(fmt, k, n, dev)
 
 
-def _fp8_tensors(algo, k, n, dev):
+def _fp8_tensors(fmt, k, n, dev):
     t = {"weight": (torch.randn(n, k, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)}
-    if algo == "FP8":
+    if not fmt.dynamic_per_token:  # static: a per-tensor weight scale and the input_scale
         t.update(weight_scale=torch.tensor(2e-4, device=dev), input_scale=torch.tensor(4 / 448, device=dev))
     else:
         t["weight_scale"] = torch.rand(n, device=dev) * 4e-4

@@ -6,18 +6,17 @@ import traceback
 
 import torch
 
-from lowbit.formats import reference_linear
+from lowbit import formats
 from lowbit.kernels import linear, prepare_linear, rms_norm, rms_norm_ref, rotary, rotary_ref
 from lowbit.kernels import silu_and_mul, silu_and_mul_ref
 from lowbit.kernels.linear.act_quant import act_quant, act_quant_ref
 from lowbit.kernels.linear.scaled_gemm import scaled_gemm, scaled_gemm_ref
-from lowbit.testing.synthetic import quantize_linear
 
 # bf16 outputs round at 2**-9 relative: a correct kernel lands near 2e-3 against an fp32 reference
 TOL_BF16 = 1e-2
 LINEAR_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (576, 1536), (200, 72)]  # (in, out)
 LINEAR_MS = [1, 7, 16, 64, 256, 1000]
-ALGOS = ["bf16", "FP8", "FP8_PER_CHANNEL_PER_TOKEN", "W8A8_SQ_PER_CHANNEL", "W4A16_AWQ", "W4A16_NVFP4", "NVFP4"]
+FORMATS = [formats.get(name) for name in formats.names()]  # every registered format
 
 
 def rel_err(out, ref) -> float:
@@ -86,42 +85,41 @@ def check_scaled_gemm(rows, dev):
         _record(rows, "fp8 gemm (Triton)", f"{m}x4096->6144", rel_err(out, scaled_gemm_ref(af, bf, sa, sb)), TOL_BF16)
 
 
-def _layer(algo, k, n, dev):
+def _layer(fmt, k, n, dev):
     w = torch.randn(n, k, device=dev) * 0.02
-    if algo == "bf16":
-        return {"weight": w.to(torch.bfloat16)}
-    smooth = (0.5 + torch.rand(k, device=dev)).to(torch.bfloat16) if algo in ("W4A16_AWQ", "W8A8_SQ_PER_CHANNEL") \
-        else None
+    carries_smooth = "pre_quant_scale" in fmt.tensors.required + fmt.tensors.optional
+    smooth = (0.5 + torch.rand(k, device=dev)).to(torch.bfloat16) if carries_smooth else None
     group = 128 if k % 128 == 0 else (64 if k % 64 == 0 else 8)  # 8: a group the kernel refuses -> dense fallback
-    return quantize_linear(algo, w, x_amax=4.0, group=group, smooth=smooth)
+    return fmt.quantize(w, x_amax=4.0, group=group, smooth=smooth)
 
 
 def check_linear(rows, dev):
     for k, n in LINEAR_SHAPES:
-        for algo in ALGOS:
-            if "NVFP4" in algo and k % 16:
+        for fmt in FORMATS:
+            if fmt.kernel == "nvfp4" and k % 16:
                 continue
             try:
-                check_linear_layer(rows, algo, k, n, dev)
+                check_linear_layer(rows, fmt, k, n, dev)
             except Exception as e:  # noqa: BLE001 - recorded as a failed check and printed, not swallowed
                 traceback.print_exc()
-                rows.append({"check": f"linear {algo} raised {type(e).__name__}: {e}"[:300], "shape": f"{k}->{n}",
-                             "rel_err": float("inf"), "tol": 0.0, "ok": False})
+                rows.append({"check": f"linear {fmt.name} raised {type(e).__name__}: {e}"[:300],
+                             "shape": f"{k}->{n}", "rel_err": float("inf"), "tol": 0.0, "ok": False})
 
 
-def check_linear_layer(rows, algo, k, n, dev):
-    t = _layer(algo, k, n, dev)
-    p = prepare_linear(None if algo == "bf16" else algo, t, dev)
+def check_linear_layer(rows, fmt, k, n, dev):
+    t = _layer(fmt, k, n, dev)
+    p = prepare_linear(fmt.name, t, dev)
     bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    # Hopper serves NVFP4 weight-only: its reference is the weight-only format's
+    ref_fmt = formats.W4A16_NVFP4 if fmt.kernel == "nvfp4" else fmt
     for m in LINEAR_MS:
         x = (torch.randn(m, k, device=dev)).to(torch.bfloat16)
         y = linear(x, p, bias)
-        ref_algo = "W4A16_NVFP4" if algo == "NVFP4" else algo  # Hopper: NVFP4 served weight-only
-        ref = (x.float() @ t["weight"].float().t() + bias.float()) if algo == "bf16" else \
-            reference_linear(ref_algo, x, t, bias)
-        _record(rows, f"linear {algo} ({p.kind})", f"{m}x{k}->{n}", rel_err(y, ref), TOL_BF16)
-        if algo == "NVFP4" and m == 16:
-            w4a4 = reference_linear("NVFP4", x, t, bias)
+        ref = (x.float() @ t["weight"].float().t() + bias.float()) if fmt is formats.BF16 else \
+            ref_fmt.reference_linear(x, t, bias)
+        _record(rows, f"linear {fmt.name} ({p.kind})", f"{m}x{k}->{n}", rel_err(y, ref), TOL_BF16)
+        if not fmt.weight_only and fmt.kernel == "nvfp4" and m == 16:
+            w4a4 = fmt.reference_linear(x, t, bias)
             rows.append({"check": "info: NVFP4 weight-only vs W4A4 reference", "shape": f"{m}x{k}->{n}",
                          "rel_err": rel_err(y, w4a4), "tol": None, "ok": True})
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 
+from lowbit import formats
 from lowbit.bench_cli import int_list
 from lowbit.kernels import silu_and_mul_ref
 from lowbit.kernels.linear.act_quant import act_quant_ref
@@ -221,8 +222,8 @@ def int8_linear_fp32(x, p, bias, out_dtype):
     return y.to(out_dtype or x.dtype)
 
 
-# static W8A8 algorithms -> their linears as the kernels compute them (formats of these take the check's spread rule)
-STATIC_W8A8_ALGOS = {"FP8": fp8_linear_fp32, "W8A8_SQ_PER_CHANNEL": int8_linear_fp32}
+# static W8A8 formats -> their linears as the kernels compute them (formats of these take the check's spread rule)
+STATIC_W8A8_FORMATS = {formats.FP8: fp8_linear_fp32, formats.W8A8_SQ_PER_CHANNEL: int8_linear_fp32}
 
 
 LAYER_OPS = ("dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul")  # the kernel ops layers call
@@ -245,11 +246,11 @@ def reference_path(engine, reader_rounding: bool = False):
     weight_only = {}
 
     def ref_linear(x, p, bias=None, out_dtype=None):
-        if p.algo in STATIC_W8A8_ALGOS and p.input_scale is not None and not reader_rounding:
-            return STATIC_W8A8_ALGOS[p.algo](x, p, bias, out_dtype)
-        if p.algo == "NVFP4":
+        if p.fmt in STATIC_W8A8_FORMATS and p.input_scale is not None and not reader_rounding:
+            return STATIC_W8A8_FORMATS[p.fmt](x, p, bias, out_dtype)
+        if p.fmt is formats.NVFP4:
             from dataclasses import replace
-            p = weight_only.setdefault(id(p), replace(p, algo="W4A16_NVFP4", input_scale=None))
+            p = weight_only.setdefault(id(p), replace(p, fmt=formats.W4A16_NVFP4, input_scale=None))
         return linear_ref(x, p, bias, out_dtype)
 
     saved = {n: getattr(layers_mod, n) for n in LAYER_OPS}
@@ -346,7 +347,7 @@ def check_format(args, fmt) -> dict:
     res["overlapped_steps_same_tokens"] = greedy_overlapped(engine, prompts, osl) == free_running
     res["graph_used"] = engine.runner.graphs is not None
     tol, tie = GPU_TOL, TIE_TOL
-    if FORMATS[fmt][0] in STATIC_W8A8_ALGOS:
+    if formats.get(FORMATS[fmt][0]) in STATIC_W8A8_FORMATS:
         # Static FP8 / INT8 activation quantization turns ulp-level differences into flipped codes that compound over
         # layers, so the bar is the spread between two rounding conventions of the same reference: the kernels may
         # differ from the fp32 reference by at most 1.5x what the checkpoint reader's bf16 roundings do, in logits
@@ -556,8 +557,8 @@ def markdown(r: dict) -> str:
 def main(argv=None) -> int:
     args = parse(argv)
     args.deadline = time.monotonic() + args.deadline_s
-    formats = [f for f in args.formats.split(",") if f]
-    unknown = set(formats) - set(FORMATS)
+    chosen = [f for f in args.formats.split(",") if f]
+    unknown = set(chosen) - set(FORMATS)
     if unknown:
         raise SystemExit(f"unknown formats {sorted(unknown)}; known: {sorted(FORMATS)}")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -565,14 +566,14 @@ def main(argv=None) -> int:
                "torch": torch.__version__, "command": "lowbit bench serve " + " ".join(argv or sys.argv[1:]),
                "model": "Llama-3.1-8B shapes, dummy weights" if not args.tiny else "tiny"}
     if "check" in args.phases:
-        for fmt in formats:
+        for fmt in chosen:
             phase(results, f"check_{fmt}", lambda: check_format(args, fmt), args)
     if "attn" in args.phases:
         phase(results, "attention_decode", lambda: attention_decode_speed(args), args)
     if "hf" in args.phases:
         phase(results, "hf", lambda: hf_generate(args), args)
     if "formats" in args.phases:
-        for fmt in formats:
+        for fmt in chosen:
             phase(results, f"serve_{fmt}", lambda: bench_format(args, fmt, results), args)
     if args.markdown:
         with open(args.markdown, "a") as f:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from lowbit import formats
 from lowbit.checkpoint import Checkpoint
 from lowbit.testing.synthetic import quantize_linear
 
@@ -22,8 +23,8 @@ LLAMA_3_1_8B = {
     "tie_word_embeddings": False, "dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
 }
 FORMATS = {  # name -> (quant_algo of the linears, kv_cache_quant_algo)
-    "bf16": (None, None), "fp8": ("FP8", "FP8"), "int4_awq": ("W4A16_AWQ", None), "nvfp4": ("NVFP4", None),
-    "w8a8_sq": ("W8A8_SQ_PER_CHANNEL", None),
+    "bf16": (None, None), "fp8": (formats.FP8.name, formats.KV_FP8.name), "int4_awq": (formats.W4A16_AWQ.name, None),
+    "nvfp4": (formats.NVFP4.name, None), "w8a8_sq": (formats.W8A8_SQ_PER_CHANNEL.name, None),
 }
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -92,7 +93,7 @@ class LazyTensors(Mapping):
         algo = self.ckpt.layer_algo(module)
         # NVFP4: one weight_scale_2 for every layer, so q/k/v and gate/up share it as in modelopt's export
         tensors = {"weight": w.to(torch.bfloat16)} if algo is None else quantize_linear(algo, w, w_amax=8 * STD)
-        if self.ckpt.kv_algo == "FP8" and module.endswith((".k_proj", ".v_proj")):
+        if self.ckpt.kv_format is not None and module.endswith((".k_proj", ".v_proj")):
             kind = module[-6]  # "k" or "v"
             tensors[f"{kind}_scale"] = torch.tensor(0.05 if kind == "k" else 0.01, device=dev)  # amax 22.4 / 4.5
         return tensors
@@ -111,14 +112,11 @@ def _linear_shape(c: dict, module: str) -> tuple[int, int]:
 def _tensor_names(ckpt: DummyCheckpoint) -> set[str]:
     c = ckpt.config
     names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-    suffixes = {None: ["weight"], "FP8": ["weight", "weight_scale", "input_scale"],
-                "W4A16_AWQ": ["weight", "weight_scale"], "NVFP4": ["weight", "weight_scale", "weight_scale_2",
-                                                                  "input_scale"],
-                "W8A8_SQ_PER_CHANNEL": ["weight", "weight_scale", "input_scale", "pre_quant_scale"]}[ckpt.quant_algo]
+    suffixes = formats.get(ckpt.quant_algo).tensors.required  # what Format.quantize emits without `smooth`
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
         names |= {p + m + "." + s for m in LINEARS for s in suffixes}
-        if ckpt.kv_algo == "FP8":
-            names |= {p + "self_attn.k_proj.k_scale", p + "self_attn.v_proj.v_scale"}
+        if ckpt.kv_format is not None:
+            names |= {f"{p}self_attn.{name}" for name in ckpt.kv_format.scale_names().values()}
     return names

@@ -14,19 +14,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lowbit.formats import dequantize_weight, quantize_activation
+from lowbit import formats
+from lowbit.formats import Format
 from lowbit.kernels.linear import w4a16, w8a8
 from lowbit.kernels._triton import on_gpu
 from lowbit.kernels.linear.dense_gemv import dense_linear
 
-PLAIN_ALGOS = (None, "bf16", "BF16", "fp16", "FP16", "none")
-W8A8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "W8A8_SQ_PER_CHANNEL")
-W4_ALGOS = ("NVFP4", "W4A16_NVFP4", "W4A16_AWQ")
+W8A8_KERNELS = ("fp8", "int8")  # Format.kernel kinds that run act_quant + the fp8/int8 GEMM
 
 
 @dataclass
 class PreparedLinear:
-    algo: str  # a modelopt quant_algo, or "bf16" for a plain layer
+    fmt: Format  # the layer's format (lowbit.formats); the unquantized one for a plain layer
     kind: str  # "dense" (dense_linear), "w8a8" (act_quant + fp8/int8 GEMM), "w4" (4-bit dequant GEMM), "source"
     in_features: int
     out_features: int
@@ -37,6 +36,11 @@ class PreparedLinear:
     source: dict | None = None  # the on-disk tensors, kept for the reference path on CPU
     _ref_weight: torch.Tensor | None = field(default=None, repr=False)
 
+    @property
+    def algo(self) -> str:
+        """The format's quant_algo name (for display)."""
+        return self.fmt.name
+
     def ref_weight(self) -> torch.Tensor:
         """The fp32 weight [N, K] this layer stands for (computed once, then cached)."""
         if self._ref_weight is None:
@@ -45,7 +49,7 @@ class PreparedLinear:
 
     def _dequantize(self) -> torch.Tensor:
         if self.source is not None:
-            return self.source["weight"].float() if self.algo == "bf16" else dequantize_weight(self.algo, self.source)
+            return self.fmt.dequantize(self.source)
         if self.kind == "w4":
             return w4a16.dequantize_w4(self.weight)
         if self.kind == "w8a8":
@@ -55,14 +59,6 @@ class PreparedLinear:
     def activation_tensors(self) -> dict:
         t = {"input_scale": self.input_scale, "pre_quant_scale": self.smooth}
         return {name: v for name, v in t.items() if v is not None}
-
-
-def _normalize_algo(algo):
-    if algo in PLAIN_ALGOS:
-        return "bf16"
-    if algo not in W8A8_ALGOS + W4_ALGOS:
-        raise ValueError(f"unsupported quant_algo {algo!r}; expected one of {W8A8_ALGOS + W4_ALGOS} or None")
-    return algo
 
 
 def _f32(t, device):
@@ -75,37 +71,35 @@ def prepare_linear(algo, tensors: dict, device, *, pack: bool | None = None, kee
     pack: build the kernel layout (default: on CUDA). keep_source: keep the on-disk tensors too (default: when not
     packing; the CPU reference path uses them). in_features need not be a multiple of any kernel block.
     """
-    algo = _normalize_algo(algo)
+    fmt = formats.get(algo)
     device = torch.device(device)
     pack = device.type == "cuda" if pack is None else pack
     keep_source = (not pack) if keep_source is None else keep_source
-    w = tensors["weight"]
-    n = w.shape[0] * (2 if algo == "W4A16_AWQ" else 1)
-    k = w.shape[1] * (2 if algo in ("NVFP4", "W4A16_NVFP4") else 1)
-    p = PreparedLinear(algo, "source", k, n, input_scale=_f32(tensors.get("input_scale"), device),
+    n, k = fmt.shape(tensors)
+    p = PreparedLinear(fmt, "source", k, n, input_scale=_f32(tensors.get("input_scale"), device),
                        smooth=tensors["pre_quant_scale"].to(device) if "pre_quant_scale" in tensors else None)
-    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+    if fmt.dynamic_per_token:
         p.input_scale = None  # dynamic per token whatever the checkpoint holds
     if keep_source:
         p.source = {name: t.to(device) for name, t in tensors.items()}
     if pack:
-        _pack(p, algo, tensors, device)
+        _pack(p, fmt, tensors, device)
     return p
 
 
-def _pack(p: PreparedLinear, algo: str, t: dict, device):
-    if algo == "bf16":
+def _pack(p: PreparedLinear, fmt: Format, t: dict, device):
+    if fmt.kernel == "dense":
         p.kind, p.weight = "dense", t["weight"].to(device)
-    elif algo in W8A8_ALGOS:
+    elif fmt.kernel in W8A8_KERNELS:
         p.kind, p.weight = "w8a8", t["weight"].to(device).contiguous()
         p.weight_scale = _f32(t["weight_scale"], device).reshape(-1 if t["weight_scale"].numel() > 1 else ())
-    elif algo == "W4A16_AWQ" and not w4a16.int4_group_supported(w4a16.int4_group(t["weight"], t["weight_scale"])):
+    elif fmt.kernel == "int4" and not w4a16.int4_group_supported(w4a16.int4_group(t["weight"], t["weight_scale"])):
         # rare group sizes: dequantize once and run a dense bf16 GEMM (x * pre_quant_scale is still applied)
-        p.kind, p.weight = "dense", dequantize_weight(algo, t).to(device=device, dtype=torch.bfloat16)
-    elif algo == "W4A16_AWQ":
+        p.kind, p.weight = "dense", fmt.dequantize(t).to(device=device, dtype=torch.bfloat16)
+    elif fmt.kernel == "int4":
         p.kind = "w4"
         p.weight = w4a16.pack_int4(t["weight"].to(device), t["weight_scale"].to(device), p.smooth)
-    else:
+    else:  # "nvfp4"
         p.kind = "w4"
         p.weight = w4a16.pack_nvfp4(t["weight"].to(device), t["weight_scale"].to(device), t["weight_scale_2"], p.smooth)
 
@@ -117,7 +111,7 @@ def _out_dtype(x, out_dtype):
 
 
 def _check_fp8_input(p: PreparedLinear):
-    if p.algo != "FP8" or p.input_scale is None:
+    if not p.fmt.static_fp8_input or p.input_scale is None:
         raise ValueError(f"a float8 input needs a static-scale FP8 layer, not {p.algo}")
 
 
@@ -128,7 +122,7 @@ def linear_ref(x: torch.Tensor, prepared: PreparedLinear, bias: torch.Tensor | N
         _check_fp8_input(prepared)
         xq = (x.float() * prepared.input_scale.to(x.device)).to(_out_dtype(x, out_dtype)).float()
     else:
-        xq = quantize_activation(prepared.algo, x, prepared.activation_tensors()).float()
+        xq = prepared.fmt.quantize_activation(x, prepared.activation_tensors()).float()
     y = xq @ prepared.ref_weight().to(x.device).t()
     if bias is not None:
         y = y + bias.float()

@@ -2,9 +2,9 @@
 import torch
 from torch import nn
 
+from lowbit import formats
 from lowbit.kernels import prepare_linear
 from lowbit.serve.layers import ops
-from lowbit.serve.layers.merge import fp8_part_scales, merge_linear_tensors
 
 
 class Linear(nn.Module):
@@ -39,7 +39,7 @@ class Linear(nn.Module):
     def fp8_input_scale(self) -> torch.Tensor | None:
         """The static FP8 input_scale when this layer takes its input already quantized (from a norm or silu)."""
         p = self.prepared
-        return p.input_scale if p is not None and p.algo == "FP8" and p.input_scale is not None else None
+        return p.input_scale if p is not None and p.fmt.static_fp8_input and p.input_scale is not None else None
 
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         """silu_mul: this is a merged gate/up layer [..., 2D] and the result silu_and_mul of its output, [..., D]
@@ -53,8 +53,9 @@ class Linear(nn.Module):
 class MergedLinear(nn.Module):
     """Linears that share their input (q/k/v, gate/up), run as one GEMM; the output is their outputs side by side.
 
-    `load(parts)` merges the checkpoint tensors (lowbit.serve.layers.merge); where they cannot be merged (mixed formats,
-    unequal shared scales) each part keeps its own Linear and the outputs are concatenated.
+    `load(parts)` merges the checkpoint tensors by their format's merge rule (Format.merge: one GEMM over the
+    concatenated output rows); where they cannot be merged (mixed formats, unequal shared scales) each part keeps its
+    own Linear and the outputs are concatenated.
     defer_part_scales: the caller multiplies part i's output by part_scales[i]. FP8 parts with unequal weight scales
     then merge with part 0's scale, so the GEMM runs per-tensor (faster than row-wise on the GPU); part_scales is
     fp32 [n_parts] on the layer's device, or None when the output is already exact.
@@ -78,8 +79,9 @@ class MergedLinear(nn.Module):
             raise ValueError(f"{self.part_names}: this layer's caller does not apply part_scales")
         self.parts, self.part_scales = None, None
         if len(set(algos)) == 1:
-            part_scales = fp8_part_scales(algos[0], tensors) if defer else None
-            merged = merge_linear_tensors(algos[0], tensors, part_scales)
+            fmt = formats.get(algos[0])
+            part_scales = fmt.part_scales(tensors) if defer else None
+            merged = fmt.merge(tensors, part_scales)
             if merged is not None:
                 self.merged.load(algos[0], merged, device, dtype)
                 self.part_scales = None if part_scales is None else part_scales.to(device, torch.float32)

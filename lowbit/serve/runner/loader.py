@@ -1,12 +1,13 @@
 """Builds a served model from a checkpoint: architecture by name, linears by quant_algo, weights by HF name."""
 import torch
 
+from lowbit import formats
 from lowbit.checkpoint import Checkpoint
 from lowbit.serve.layers.attention import Attention
 from lowbit.serve.layers.linear import Linear, MergedLinear
 from lowbit.serve.models import model_class
 
-LINEAR_SUFFIXES = ("weight", "bias", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
+LINEAR_SUFFIXES = formats.TENSOR_SUFFIXES + ("bias",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,8 +31,8 @@ def load_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
             _load_merged(ckpt, tensors, name, module, device, dtype)
         elif isinstance(module, Linear) and not name.endswith(".merged"):  # a merged one is its parent's
             _load_linear(ckpt, tensors, name, module, device, dtype)
-        elif isinstance(module, Attention):
-            _load_kv_scales(tensors, name.rsplit(".", 1)[0], module, device)
+        elif isinstance(module, Attention) and ckpt.kv_format is not None:  # scales serve a quantized cache only
+            _load_kv_scales(tensors, name.rsplit(".", 1)[0], module, ckpt.kv_format, device)
     return model.eval()
 
 
@@ -61,10 +62,11 @@ def _load_merged(ckpt, tensors, name, module: MergedLinear, device, dtype) -> No
     module.load(algos, found, device, dtype)
 
 
-def _load_kv_scales(tensors, self_attn: str, module: Attention, device) -> None:
-    """modelopt: self_attn.k_proj.k_scale; compressed-tensors / vLLM: self_attn.k_scale. Missing means 1.0."""
-    for kind in ("k", "v"):
-        for key in (f"{self_attn}.{kind}_proj.{kind}_scale", f"{self_attn}.{kind}_scale"):
+def _load_kv_scales(tensors, self_attn: str, module: Attention, kv: formats.KVFormat, device) -> None:
+    """modelopt: the KV format's names (self_attn.k_proj.k_scale); compressed-tensors / vLLM: self_attn.k_scale.
+    Missing means 1.0."""
+    for kind, modelopt_name in kv.scale_names().items():
+        for key in (f"{self_attn}.{modelopt_name}", f"{self_attn}.{kind}_scale"):
             if key in tensors:
                 setattr(module, f"{kind}_scale", tensors[key].float().reshape(()).to(device))
                 break

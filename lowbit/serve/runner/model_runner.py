@@ -26,9 +26,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = model_dtype(ckpt, config.dtype)
         self.model = load_model(ckpt, self.device, self.dtype)
-        self.kv_dtype = torch.float8_e4m3fn if ckpt.kv_algo == "FP8" else self.dtype
-        if ckpt.kv_algo not in (None, "FP8"):
-            raise ValueError(f"kv_cache_quant_algo {ckpt.kv_algo!r} is not supported (FP8 or none)")
+        kv = ckpt.kv_format  # a ValueError for an unknown kv_cache_quant_algo
+        self.kv_dtype = kv.cache_dtype if kv is not None else self.dtype
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         gpu_attention = _use_gpu_attention(self.device.type == "cuda")
         bs = config.block_size
