@@ -121,7 +121,7 @@ def test_decode_splits_policy():
 def test_backend_picks_splits_from_the_longest_decode_context(monkeypatch):
     """TritonAttentionBackend.attend: decode_splits of the decode rows' count and their longest context (host
     lengths), for a decode step and for the leading one-token rows of a mixed step (the prefill rows don't count)."""
-    from lowbit.serve import triton_attention
+    from lowbit.serve.layers import triton_attention
     from lowbit.serve.runner.context import StepContext
 
     seen = []

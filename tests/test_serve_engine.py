@@ -264,12 +264,12 @@ def test_warm_up_prefills_cover_every_w4_row_range():
     """The engine's warm-up prefills build a W4 GEMM kernel for every row range of w4a16.choose_config, with a row
     count that is a multiple of 16 and one that is not (Triton compiles each variant once): a request's prompt then
     compiles nothing. The largest range's multiple of 16 is the max_num_tokens warm-up."""
-    from lowbit.kernels import w4a16
+    from lowbit.kernels.linear import w4a16
     from lowbit.serve.engine.config import EngineConfig
     from lowbit.serve.runner.kv_cache import WARM_UP_PREFILLS
 
     top = EngineConfig().max_num_tokens  # a step's rows at most (longer prompts run in chunks of this)
     assert max(WARM_UP_PREFILLS) < top and top % 16 == 0
-    warmed = {(w4a16._m_bucket(n), n % 16 == 0) for n in WARM_UP_PREFILLS + (top,)}
-    ranges = {w4a16._m_bucket(m) for m in range(3, top + 1)}  # M = 1-2 run the GEMV
+    warmed = {(w4a16.m_bucket(n), n % 16 == 0) for n in WARM_UP_PREFILLS + (top,)}
+    ranges = {w4a16.m_bucket(m) for m in range(3, top + 1)}  # M = 1-2 run the GEMV
     assert warmed >= {(r, even) for r in ranges for even in (True, False)}

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from lowbit import formats
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lab import load_script  # noqa: E402
@@ -117,7 +119,7 @@ _WEIGHT_ONLY = {}
 
 def _weight_only(p):
     from dataclasses import replace
-    return _WEIGHT_ONLY.setdefault(id(p), replace(p, algo="W4A16_NVFP4", input_scale=None))
+    return _WEIGHT_ONLY.setdefault(id(p), replace(p, fmt=formats.W4A16_NVFP4, input_scale=None))
 
 
 def replay_times(bench, args, fmt) -> dict:
