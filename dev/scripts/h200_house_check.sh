@@ -7,18 +7,17 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-lowbit() { python3 -c "import sys; from lowbit.cli import main; sys.exit(main(sys.argv[1:]))" "$@"; }
 case "${1:-}" in
 ckpts)
     python3 dev/scripts/ckpt_pack_copy.py unpack "$2" /tmp/ck > /dev/null
     timeout 150 python3 dev/scripts/serving_ppl.py ppl dev/scripts/heldout_tokens.json /tmp/ck/smollm2-135m-fp8 \
         /tmp/ck/smollm2-135m-w8a8_sq /tmp/ck/smollm2-135m-int4_awq /tmp/ck/smollm2-135m-nvfp4 --device cuda \
         --dtype bfloat16 2>&1 | grep '^{\|Error' | tee "$OUT/real_ckpt_ppl.jsonl"
-    timeout 330 lowbit bench serve --phases check --formats bf16,fp8,int4_awq,nvfp4,w8a8_sq \
+    timeout 330 python3 -m lowbit.cli bench serve --phases check --formats bf16,fp8,int4_awq,nvfp4,w8a8_sq \
         --json "$OUT/check.json" 2>&1 | grep -E '^\[|Error|FAIL' | cut -c1-600
     ;;
 serve)
-    timeout 500 lowbit bench serve --formats fp8,int4_awq --phases formats --max-batch-size 1024 --deadline-s 400 \
+    timeout 500 python3 -m lowbit.cli bench serve --formats fp8,int4_awq --phases formats --max-batch-size 1024 --deadline-s 400 \
         --json "$OUT/serve.json" --markdown "$OUT/serve.md" 2>&1 | grep -E '^\[|Error' | cut -c1-700
     ;;
 esac
