@@ -135,7 +135,8 @@ def rows_from_log(log: Path) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="lowbit bench accuracy", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--num-seqs", type=int, default=8, help="held-out sequences of 512 tokens per source")
     p.add_argument("--no-stock", action="store_true", help="skip modelopt's stock configs")

@@ -180,7 +180,8 @@ def start_server(args) -> tuple[subprocess.Popen, str, int]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="lowbit bench serve-load", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="a running server (loopback); default: start `lowbit serve MODEL` on a free port")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--api-key")
