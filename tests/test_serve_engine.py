@@ -224,9 +224,9 @@ def check_against_reference(path, **engine_args):
     forcing, are the reference's argmax (>= 90 %), and at most 5 % are more than a near tie below it: one rounding flip
     of a static FP8 activation can move a token's logprob by a nat or more. Computed in the reference's shapes (one
     whole prompt), its prompt logprobs equal the reference's. In other shapes (batches, chunks) float rounding differs
-    in the last ulp;
-    static FP8 activation rounding amplifies that (it does so between HF's own prefill and decode paths too), so
-    exact token equality with the reference's `generate` is not a stable property of a quantized model."""
+    in the last ulp; static FP8 activation rounding amplifies that (it does so between HF's own prefill and decode
+    paths too), so exact token equality with the reference's `generate` is not a stable property of a quantized
+    model."""
     model, tokenizer = load_reference_model(path)
     llm = LLM(str(path), num_kv_blocks=64, **engine_args)
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
