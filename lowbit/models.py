@@ -79,6 +79,8 @@ def gguf_source() -> Path:
 
 def convert_embedded_model() -> Path:
     """Convert SmolLM2-135M-Instruct from the shipped GGUF into a plain safetensors directory, once."""
+    from lowbit.checkpoint.io import apply_umask_modes
+
     target = store_path(DEFAULT_MODEL)
     with store_lock(DEFAULT_MODEL):
         if is_model_dir(target):
@@ -90,6 +92,7 @@ def convert_embedded_model() -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=store_dir()))
         try:
             _convert_gguf(source, tmp)
+            apply_umask_modes(tmp)  # mkdtemp made it 0700: readable by other users as a plain mkdir would be
             os.replace(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -78,7 +78,7 @@ def client(server):
 
 def metrics(server) -> dict[str, float]:
     out = {}
-    for line in http("GET", f"{server}/metrics")[1].splitlines():
+    for line in http("GET", f"{server}/metrics", key=KEY)[1].splitlines():  # the key guards /metrics too
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)

@@ -100,9 +100,9 @@ def make_requests(args, vocab_low=100, vocab_high=40000) -> list[tuple[dict, int
     return out
 
 
-def get_metrics(host, port) -> dict[str, float]:
+def get_metrics(host, port, api_key: str | None = None) -> dict[str, float]:
     conn = http.client.HTTPConnection(host, port, timeout=30)
-    conn.request("GET", "/metrics")
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     text = conn.getresponse().read().decode()
     conn.close()
     return {k: float(v) for k, v in (l.rsplit(" ", 1) for l in text.splitlines() if l and not l.startswith("#"))}
@@ -135,7 +135,7 @@ def run_load(args, host, port) -> dict:
         t.join()
     wall = time.perf_counter() - t0
     idle_deadline = time.perf_counter() + 30  # aborted requests leave at the engine's next step
-    while (m := get_metrics(host, port))["lowbit_requests_running"] > 0 and time.perf_counter() < idle_deadline:
+    while (m := get_metrics(host, port, args.api_key))["lowbit_requests_running"] > 0 and time.perf_counter() < idle_deadline:
         time.sleep(0.2)
     tokens = sum(r.completion_tokens or len(r.itls) + (r.ttft is not None) for r in results)
     ttfts = [r.ttft for r in results if r.ttft is not None]

@@ -4,24 +4,43 @@ import time
 from contextlib import redirect_stdout
 
 import torch
-from tqdm import tqdm
 
 from lowbit.calibrate.configs import modelopt_config
+from lowbit.progress import Progress
 from lowbit.recipe import Recipe
 
 BATCH_SIZE = 4  # sequences per forward pass
 
 
-def forward_loop(batches: list[list[int]], desc: str = "calibrating"):
-    """A modelopt forward_loop over fixed-length token sequences, with a progress bar."""
+def forward_loop(batches: list[list[int]], desc: str = "calibrating", later_passes: str = "pass"):
+    """A modelopt forward_loop over fixed-length token sequences, with progress per batch and per decoder layer.
+
+    modelopt may call it more than once (AWQ: activation statistics, then the scale search, which is slow per
+    layer); call k > 1 is shown as `desc, <later_passes> k`. Progress counts decoder layers (forward hooks on
+    `body.layers`), so a long per-layer search still shows movement within one batch.
+    """
+    calls = [0]
 
     def loop(model) -> None:
         device = next(model.parameters()).device
         body = getattr(model, model.base_model_prefix, model)  # skip lm_head: logits are not needed to calibrate
         chunks = [batches[i:i + BATCH_SIZE] for i in range(0, len(batches), BATCH_SIZE)]
-        with torch.no_grad():
-            for chunk in tqdm(chunks, desc=desc, unit="batch", file=sys.stderr, disable=None):
-                body(torch.tensor(chunk, device=device))
+        calls[0] += 1
+        name = desc if calls[0] == 1 else f"{desc}, {later_passes} {calls[0]}"
+        layers = list(getattr(body, "layers", None) or [])
+        per_batch = max(len(layers), 1)
+        with Progress(len(chunks) * per_batch, name, "layers" if layers else "batches") as bar:
+            hooks = [layer.register_forward_hook(lambda *_: bar.update()) for layer in layers]
+            try:
+                with torch.no_grad():
+                    for b, chunk in enumerate(chunks):
+                        bar.describe(f"{name}, batch {b + 1}/{len(chunks)}")
+                        body(torch.tensor(chunk, device=device))
+                        if not layers:
+                            bar.update()
+            finally:
+                for h in hooks:
+                    h.remove()
 
     return loop
 
@@ -40,7 +59,8 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
     nvfp4_cpu.install()  # CPU kernel for NVFP4 dynamic block quantization; CUDA keeps modelopt's own
     with redirect_stdout(sys.stderr):  # modelopt prints its config and counts: keep stdout for the summary
         cfg = config if config is not None else modelopt_config(recipe, model)
-        model = mtq.quantize(model, cfg, forward_loop(batches, desc=f"calibrating {recipe.name}"))
+        model = mtq.quantize(model, cfg, forward_loop(batches, desc=f"calibrating {recipe.name}",
+                                                    later_passes=f"{recipe.algorithm} pass"))
     if recipe.kv_cache:
         check_kv_calibrated(model)
     print(f"[lowbit] calibrated {len(batches)} x {len(batches[0])} tokens in {time.time() - t0:.1f} s", file=sys.stderr)

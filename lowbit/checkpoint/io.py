@@ -95,9 +95,34 @@ def write_manifest(directory: Path, info: dict) -> None:
     (directory / MANIFEST).write_text(json.dumps({**info, "files": files}, indent=2) + "\n")
 
 
+def current_umask() -> int:
+    """The process umask (read by setting it and setting it back: os has no getter)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask_modes(root: Path) -> None:
+    """Gives `root` and everything under it the modes a plain mkdir / open would have under the current umask
+    (dirs 0o777 & ~umask, files 0o666 & ~umask, executables 0o777 & ~umask). tempfile.mkdtemp / mkstemp make
+    0o700 / 0o600, which would keep other users and containers of another uid out of the store."""
+    mask = current_umask()
+    root.chmod(0o777 & ~mask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            os.chmod(os.path.join(dirpath, d), 0o777 & ~mask, follow_symlinks=False)
+        for f in filenames:
+            path = os.path.join(dirpath, f)
+            if os.path.islink(path):
+                continue
+            executable = os.stat(path).st_mode & 0o111
+            os.chmod(path, (0o777 if executable else 0o666) & ~mask)
+
+
 @contextmanager
 def write_atomically(out: Path, force: bool = False):
-    """Yields a temporary directory beside `out`; on success it replaces `out`, on failure it is removed."""
+    """Yields a temporary directory beside `out`; on success it replaces `out` (with umask modes, see
+    apply_umask_modes), on failure it is removed."""
     out = Path(out)
     if out.exists() and not force:
         raise UserError(f"output {out} already exists (use --force to overwrite)")
@@ -105,6 +130,7 @@ def write_atomically(out: Path, force: bool = False):
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
+        apply_umask_modes(tmp)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / out.name)

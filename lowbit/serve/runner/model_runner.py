@@ -7,6 +7,7 @@ import torch
 
 from lowbit.checkpoint import Checkpoint
 from lowbit.kernels import merge_pending
+from lowbit.progress import stage
 from lowbit.serve.layers.attention import Attention
 from lowbit.serve.engine.config import EngineConfig
 from lowbit.serve.runner.block_tables import TABLE_WIDTH_MULTIPLE, BlockTables
@@ -25,7 +26,8 @@ class ModelRunner:
         device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
         self.dtype = model_dtype(ckpt, config.dtype)
-        self.model = load_model(ckpt, self.device, self.dtype)
+        with stage(f"loading weights from {ckpt.path} onto {self.device}"):
+            self.model = load_model(ckpt, self.device, self.dtype)
         kv = ckpt.kv_format  # a ValueError for an unknown kv_cache_quant_algo
         self.kv_dtype = kv.cache_dtype if kv is not None else self.dtype
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -34,11 +36,13 @@ class ModelRunner:
         if gpu_attention and self.kv_dtype == torch.float8_e4m3fn and bs & (bs - 1):
             raise ValueError(f"block_size {bs}: an FP8 KV cache on the GPU needs a power of two (its V is read "
                              f"block by block)")
-        self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, config, self.kv_dtype, self.device)
+        with stage("warm-up and KV cache" if self.device.type == "cuda" else "KV cache"):
+            self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, config, self.kv_dtype, self.device)
         self.block_tables = BlockTables(config.max_batch_size, 64)
         self.graphs = None
         if gpu_attention and config.cuda_graphs:
-            self.graphs = self._capture_decode_graphs(ckpt.config)
+            with stage("capturing decode CUDA graphs"):
+                self.graphs = self._capture_decode_graphs(ckpt.config)
 
     def _capture_decode_graphs(self, model_config: dict):
         from lowbit.serve.runner.cuda_graphs import DecodeGraphs

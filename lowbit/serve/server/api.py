@@ -13,24 +13,31 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from lowbit.serve.server.access_log import AccessLog
 from lowbit.serve.server.async_engine import AsyncEngine, EngineDeadError
+from lowbit.serve.server.auth import bearer_matches
 from lowbit.serve.engine.engine import ContextLengthError
 from lowbit.serve.engine.outputs import RequestOutput
 from lowbit.serve.server.protocol import APIError, ChatRequest, CompletionRequest
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, public_metrics: bool = False,
+              access_log: bool = True) -> FastAPI:
+    """api_key: required on /v1/* and, unless public_metrics, on /metrics (/health stays open for probes).
+    access_log: one line per request on stderr (access_log.py)."""
     app = FastAPI(title="lowbit", docs_url=None, redoc_url=None)
     api = OpenAIServer(engine, model_name)
     _add_error_handlers(app)
+    if access_log:
+        app.add_middleware(AccessLog)
 
     def authorize(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+        if api_key is not None and not bearer_matches(request.headers.get("authorization"), api_key):
             raise APIError(401, "Incorrect or missing API key", code="invalid_api_key")
 
     auth = [Depends(authorize)]
     app.get("/health")(api.health)
-    app.get("/metrics", response_class=PlainTextResponse)(api.metrics)
+    app.get("/metrics", response_class=PlainTextResponse, dependencies=[] if public_metrics else auth)(api.metrics)
     app.get("/v1/models", dependencies=auth)(api.models)
     app.post("/v1/completions", dependencies=auth)(api.completions)
     app.post("/v1/chat/completions", dependencies=auth)(api.chat)

@@ -12,6 +12,7 @@ import threading
 from itertools import count
 
 from lowbit.serve.engine.engine import Engine
+from lowbit.serve.server.access_log import count_tokens
 from lowbit.serve.engine.outputs import RequestOutput
 from lowbit.serve.engine.sampling_params import SamplingParams
 
@@ -75,6 +76,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine stopped: {item!r}") from item
                 finished = item.finished
+                if finished:
+                    count_tokens(len(item.prompt_token_ids), len(item.outputs[0].token_ids))
                 yield item
         finally:
             if not finished:

@@ -4,10 +4,13 @@ from dataclasses import fields
 from pathlib import Path
 
 from lowbit.errors import UserError
+from lowbit.progress import stage
+from lowbit.serve.server.auth import api_key_from
+from lowbit.serve.server.listen import bind
 
 EXAMPLES = """examples:
   lowbit serve smollm2-135m                        # the embedded model on http://127.0.0.1:8000/v1
-  lowbit serve smollm2-135m-fp8 --port 8001 --api-key secret
+  LOWBIT_API_KEY=secret lowbit serve smollm2-135m-fp8 --port 8001   # or --api-key-file key.txt
   lowbit serve ./my-checkpoint --max-batch-size 32 --max-num-tokens 1024
   lowbit serve smollm2-135m --config extra.yaml    # any EngineConfig field, e.g. num_kv_blocks: 512
 
@@ -24,7 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-tokens", type=int, help="tokens computed per step (default 2048)")
     parser.add_argument("--kv-cache-fraction", type=float,
                         help="share of free GPU memory (default 0.9) or available RAM on CPU (default 0.05) for KV")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (visible in the "
+                        "process list: prefer --api-key-file or $LOWBIT_API_KEY)")
+    parser.add_argument("--api-key-file", type=Path, metavar="PATH", help="read the key from the first line of PATH")
+    parser.add_argument("--public-metrics", action="store_true", help="serve /metrics without the key")
+    parser.add_argument("--quiet", action="store_true", help="no access log line per request")
     parser.add_argument("--config", type=Path, help="YAML file of further engine settings (EngineConfig fields)")
 
 
@@ -51,25 +58,42 @@ def engine_config(args):
 
 
 def run(args) -> int:
-    try:
-        import uvicorn
-
-        from lowbit.serve.server.api import build_app
-    except ImportError as e:
-        raise UserError(f"serving over HTTP needs the serve extra: pip install 'lowbit[serve]' ({e})") from e
-    from lowbit.serve.server.async_engine import AsyncEngine
-    from lowbit.serve.engine.engine import Engine
-
+    # Everything the user typed is checked, and the port taken, before the slow part (imports, model load).
+    if not 1 <= args.port <= 65535:
+        raise UserError(f"--port {args.port}: not a TCP port (1-65535)")
+    api_key = api_key_from(args.api_key, args.api_key_file)
     config = engine_config(args)
+    sock = bind(args.host, args.port)
     try:
-        engine = Engine(args.model, config)
+        return _serve(args, config, api_key, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args, config, api_key: str | None, sock) -> int:
+    with stage("importing the engine and the HTTP server"):
+        try:
+            import uvicorn
+
+            from lowbit.serve.server.api import build_app
+        except ImportError as e:
+            raise UserError(f"serving over HTTP needs the serve extra: pip install 'lowbit[serve]' ({e})") from e
+        from lowbit.serve.server.async_engine import AsyncEngine
+        from lowbit.serve.engine.engine import Engine
+
+    try:
+        with stage(f"loading {args.model}"):
+            engine = Engine(args.model, config)
     except ValueError as e:  # unsupported architecture, format or dtype
         raise UserError(str(e)) from e
     print(f"[lowbit] {args.model}: {engine.runner.num_blocks} KV blocks of {config.block_size} tokens "
           f"({engine.runner.kv_dtype}), context {engine.max_model_len}, on {engine.runner.device}", flush=True)
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, args.model, args.api_key)
-    print(f"[lowbit] serving {args.model} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    app = build_app(async_engine, args.model, api_key, public_metrics=args.public_metrics, access_log=not args.quiet)
+    auth = "no API key" if api_key is None else \
+        ("API key on /v1/*" if args.public_metrics else "API key on /v1/* and /metrics")
+    print(f"[lowbit] serving {args.model} on http://{args.host}:{args.port}/v1 ({auth})", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server.run(sockets=[sock])
     async_engine.shutdown()
     return 0
