@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of free GPU memory (default 0.9) or available RAM on CPU (default 0.05) for KV")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
     parser.add_argument("--config", type=Path, help="YAML file of further engine settings (EngineConfig fields)")
+    parser.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                        help="largest request body taken; larger ones get 413 (default 8 MiB)")
 
 
 def engine_config(args):
@@ -60,6 +62,8 @@ def run(args) -> int:
     from lowbit.serve.server.async_engine import AsyncEngine
     from lowbit.serve.engine.engine import Engine
 
+    if args.max_request_bytes < 1:
+        raise UserError(f"--max-request-bytes must be positive, not {args.max_request_bytes}")
     config = engine_config(args)
     try:
         engine = Engine(args.model, config)
@@ -68,7 +72,7 @@ def run(args) -> int:
     print(f"[lowbit] {args.model}: {engine.runner.num_blocks} KV blocks of {config.block_size} tokens "
           f"({engine.runner.kv_dtype}), context {engine.max_model_len}, on {engine.runner.device}", flush=True)
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, args.model, args.api_key)
+    app = build_app(async_engine, args.model, args.api_key, max_request_bytes=args.max_request_bytes)
     print(f"[lowbit] serving {args.model} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     async_engine.shutdown()
