@@ -256,3 +256,15 @@ def test_large_prompts_do_not_stall_another_stream(server):
     assert max(r[2] for r in results) > 1.0, results  # the tokenization work was real (~0.5 s each, 2 at once)
     gaps = [b - a for a, b in zip([start] + arrivals, arrivals)]
     assert len(arrivals) > 5 and max(gaps) < 1.0, (max(gaps), len(arrivals), busy)
+
+
+def test_sampler_takes_the_argmax_for_a_denormal_temperature():
+    """On the sampler itself: a float32 denormal temperature used to divide the logits into inf (softmax NaN)."""
+    import torch
+
+    from lowbit.serve.runner.sampler import Sampler
+
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 10
+    params = [SamplingParams(temperature=t) for t in (1e-45, 1e-38, 1e-20, 0.0)]
+    tokens = Sampler().sample(logits, params, seeds=[1, 2, 3, 4], positions=[5, 5, 5, 5])
+    assert tokens.tolist() == logits.argmax(-1).tolist()
