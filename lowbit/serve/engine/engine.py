@@ -109,21 +109,16 @@ class Engine:
 
     # ---- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    stream: bool = True) -> None:
+                    stream: bool = True, prompt_text: str | None = None) -> None:
         """Raises ValueError for a bad prompt (empty, out-of-vocabulary ids, too long).
+        prompt: text (tokenized here, on the caller's thread) or token ids; the server tokenizes on its own
+        threads and passes ids, with prompt_text, the text they came from (for echo), when there was one.
         stream=False: the request gets one RequestOutput, the final one, and its text is decoded once at the end."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text is not None else list(prompt)
-        vocab = self.runner.model.config["vocab_size"]
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= i < vocab for i in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ContextLengthError(f"the prompt has {len(ids)} tokens; this model's context is "
-                                     f"{self.max_model_len} tokens, including at least one to generate")
+        text = prompt if isinstance(prompt, str) else prompt_text
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+        self.check_prompt(ids)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else self._seed.getrandbits(63)
@@ -134,6 +129,18 @@ class Engine:
             self.scoring.add(request_id)
         self.metrics.prompt_tokens += len(ids)
         self.scheduler.add(seq)
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """Raises ValueError for prompt token ids the engine cannot take (empty, out of the vocabulary) and
+        ContextLengthError for too many. Reads only fields fixed at start-up: callable from any thread."""
+        vocab = self.runner.model.config["vocab_size"]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens; this model's context is "
+                                     f"{self.max_model_len} tokens, including at least one to generate")
+        if any(not 0 <= i < vocab for i in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)

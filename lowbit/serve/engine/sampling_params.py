@@ -1,11 +1,22 @@
 """Per-request generation settings, the names vLLM and OpenAI users know."""
+import math
+import struct
 from dataclasses import dataclass, field
+
+# Temperatures below this sample greedily: the sampler divides float32 logits by the float32 temperature, and a
+# tiny one (1e-45 is a float32 denormal) overflows them to inf, whose softmax is NaN (vLLM uses the same 1e-5).
+GREEDY_TEMPERATURE = 1e-5
+
+
+def _float32(x: float) -> float:
+    """x as the float32 the sampler divides by (x in [0, 1]: no overflow when packing)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16  # None: up to the context length
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no limit
     seed: int | None = None
@@ -25,6 +36,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises ValueError with a message fit for a 400 response."""
+        numbers = {"temperature": self.temperature, "top_p": self.top_p}
+        for name, value in numbers.items():
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number")
         checks = [
             (self.max_tokens is None or self.max_tokens >= 0, "max_tokens must be >= 0"),
             (self.temperature >= 0, "temperature must be >= 0"),
@@ -39,4 +54,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Whether the sampler takes the argmax: temperature 0, one below GREEDY_TEMPERATURE as the float32 value
+        the sampler would use, or top_k 1."""
+        return _float32(min(self.temperature, 1.0)) < GREEDY_TEMPERATURE or self.top_k == 1

@@ -18,48 +18,92 @@ from lowbit.serve.server.async_engine import AsyncEngine, EngineDeadError
 from lowbit.serve.server.auth import bearer_matches
 from lowbit.serve.engine.engine import ContextLengthError
 from lowbit.serve.engine.outputs import RequestOutput
-from lowbit.serve.server.protocol import APIError, ChatRequest, CompletionRequest
+from lowbit.serve.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from lowbit.serve.server.inputs import PromptError, PromptProcessor
+from lowbit.serve.server.protocol import APIError, ChatRequest, CompletionRequest, ErrorResponse
+
+# The responses each endpoint documents in the OpenAPI schema besides its 200 (FastAPI's 422 is never sent:
+# validation errors are 400s).
+_ERRORS = {400: "Invalid request (OpenAI's error shape)", 401: "Missing or wrong API key",
+           404: "Unknown model or path", 413: "Request body over --max-request-bytes"}
+_STREAM_200 = {200: {"description": "JSON, or server-sent events of JSON chunks when stream is true",
+                     "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+def _responses(*codes: int) -> dict:
+    return {c: {"model": ErrorResponse, "description": _ERRORS[c]} for c in codes}
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, public_metrics: bool = False,
-              access_log: bool = True) -> FastAPI:
+              access_log: bool = True, max_request_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """api_key: required on /v1/* and, unless public_metrics, on /metrics (/health stays open for probes).
-    access_log: one line per request on stderr (access_log.py)."""
+    access_log: one line per request on stderr (access_log.py). max_request_bytes: larger bodies get a 413."""
     app = FastAPI(title="lowbit", docs_url=None, redoc_url=None)
     api = OpenAIServer(engine, model_name)
     _add_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if access_log:
         app.add_middleware(AccessLog)
+    _document_real_errors(app)
 
     def authorize(request: Request) -> None:
         if api_key is not None and not bearer_matches(request.headers.get("authorization"), api_key):
             raise APIError(401, "Incorrect or missing API key", code="invalid_api_key")
 
     auth = [Depends(authorize)]
-    app.get("/health")(api.health)
-    app.get("/metrics", response_class=PlainTextResponse, dependencies=[] if public_metrics else auth)(api.metrics)
-    app.get("/v1/models", dependencies=auth)(api.models)
-    app.post("/v1/completions", dependencies=auth)(api.completions)
-    app.post("/v1/chat/completions", dependencies=auth)(api.chat)
+    app.get("/health", responses={503: {"description": "The engine stopped"}})(api.health)
+    app.get("/metrics", response_class=PlainTextResponse, dependencies=[] if public_metrics else auth,
+            responses=_responses(401))(api.metrics)
+    app.get("/v1/models", dependencies=auth, responses=_responses(401))(api.models)
+    app.post("/v1/completions", dependencies=auth, responses=_STREAM_200 | _responses(400, 401, 404, 413)
+             )(api.completions)
+    app.post("/v1/chat/completions", dependencies=auth, responses=_STREAM_200 | _responses(400, 401, 404, 413)
+             )(api.chat)
     return app
+
+
+def _document_real_errors(app: FastAPI) -> None:
+    """The published schema without FastAPI's 422 (the server answers 400 in OpenAI's shape instead)."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+    app.openapi = openapi
+
+
+class _ErrorJSON(JSONResponse):
+    """JSON as ASCII: an error message may quote text that is not valid Unicode (a lone surrogate)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False).encode()
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return _ErrorJSON(e.body(), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, e: RequestValidationError):
         first = e.errors()[0]
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        # pydantic's union / validator steps ("function-after[...]", "list[int]") are no field names
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not any(c in str(x) for c in "[-")]
         message = f"{'.'.join(loc)}: {first.get('msg')}" if loc else str(first.get("msg"))
-        return JSONResponse(APIError(400, message, param=loc[0] if loc else None).body(), status_code=400)
+        return _ErrorJSON(APIError(400, message, param=loc[0] if loc else None).body(), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(_, e: HTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
+        # e.headers: a 405's Allow header
+        return _ErrorJSON(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code,
+                          headers=getattr(e, "headers", None))
 
 
 def _sse(payload: dict | str) -> str:
@@ -115,6 +159,7 @@ class OpenAIServer:
         self.model_name = model_name
         self.tokenizer = copy.deepcopy(engine.engine.tokenizer)  # the engine thread's own one is never shared
         self.token_text = lru_cache(maxsize=65536)(lambda i: self.tokenizer.decode([i]))
+        self.inputs = PromptProcessor(engine.engine)  # templating and tokenization on worker threads
 
     # ---- plain endpoints
     async def health(self):
@@ -136,14 +181,27 @@ class OpenAIServer:
         if model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "not_found_error", "model", "model_not_found")
 
+    def _check_max_tokens(self, params, param: str) -> None:
+        """max_tokens beyond the whole context: 400 (within it, the engine stops at the context end: 'length')."""
+        if params.max_tokens is not None and params.max_tokens > self.engine.engine.max_model_len:
+            raise APIError(400, f"max_tokens is {params.max_tokens}; this model's context is "
+                                f"{self.engine.engine.max_model_len} tokens", param=param)
+
+    async def _prepared(self, prepare, *args):
+        """Runs an input-preparation coroutine of PromptProcessor; its PromptError -> 400."""
+        try:
+            return await prepare(*args)
+        except PromptError as e:
+            raise APIError(400, str(e), param=e.param, code=e.code) from e
+
     async def _submit(self, prefix: str, prompts: list, params, stream: bool) -> tuple[str, list]:
-        """Adds one engine request per prompt; returns (response id, [stream]). Bad prompts: 400, nothing left.
-        stream=False: each request's stream yields its final output only."""
+        """Adds one engine request per (token ids, text or None); returns (response id, [stream]). Bad prompts: 400,
+        nothing left. stream=False: each request's stream yields its final output only."""
         rid = self.engine.new_request_id(prefix)
         streams = []
         try:
-            for i, prompt in enumerate(prompts):
-                outputs = await self.engine.add(f"{rid}-{i}", prompt, params, stream)
+            for i, (ids, text) in enumerate(prompts):
+                outputs = await self.engine.add(f"{rid}-{i}", ids, params, stream, prompt_text=text)
                 streams.append(self.engine.stream(f"{rid}-{i}", outputs))
         except ValueError as e:
             for i in range(len(streams)):
@@ -184,7 +242,9 @@ class OpenAIServer:
     async def completions(self, req: CompletionRequest, request: Request):
         self._check_model(req.model)
         params = req.params()
-        rid, streams = await self._submit("cmpl", req.prompts(), params, req.stream)
+        self._check_max_tokens(params, "max_tokens")
+        prompts = await self._prepared(self.inputs.completion, req.prompts())
+        rid, streams = await self._submit("cmpl", prompts, params, req.stream)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
             return self._stream(self._completion_events(req, head, streams))
@@ -240,13 +300,10 @@ class OpenAIServer:
     async def chat(self, req: ChatRequest, request: Request):
         self._check_model(req.model)
         params = req.params()
+        self._check_max_tokens(params, "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # jinja raises its own errors for conversations the template refuses
-            raise APIError(400, f"chat template: {e}", param="messages") from e
-        ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
-        rid, streams = await self._submit("chatcmpl", [ids], params, req.stream)
+        ids = await self._prepared(self.inputs.chat, messages)
+        rid, streams = await self._submit("chatcmpl", [(ids, None)], params, req.stream)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
             return self._stream(self._chat_events(req, head | {"object": "chat.completion.chunk"}, streams[0]))

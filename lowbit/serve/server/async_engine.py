@@ -47,15 +47,16 @@ class AsyncEngine:
 
     # ---- called from the event loop
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                  stream: bool = True) -> asyncio.Queue:
+                  stream: bool = True, prompt_text: str | None = None) -> asyncio.Queue:
         """Queues a request; raises the engine's ValueError for a bad one. Outputs arrive on the returned queue
-        (stream=False: the final one only)."""
+        (stream=False: the final one only). Pass token ids (tokenized off this thread and the engine's: a text
+        prompt is tokenized on the engine thread, between steps) and the text they came from as prompt_text."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
         self._queues[request_id] = (loop, outputs)
-        self._commands.put((self._add, (request_id, prompt, params, stream, loop, added)))
+        self._commands.put((self._add, (request_id, prompt, params, stream, prompt_text, loop, added)))
         try:
             await added
         except BaseException:  # refused, or the caller went away before the engine thread got to it
@@ -101,9 +102,9 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
 
     # ---- run on the engine thread
-    def _add(self, request_id, prompt, params, stream, loop, added) -> None:
+    def _add(self, request_id, prompt, params, stream, prompt_text, loop, added) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, stream)
+            self.engine.add_request(request_id, prompt, params, stream, prompt_text)
         except Exception as e:  # handed to its caller: a ValueError is the caller's 400, anything else its 500
             loop.call_soon_threadsafe(_resolve, added, None, e)
             return

@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--public-metrics", action="store_true", help="serve /metrics without the key")
     parser.add_argument("--quiet", action="store_true", help="no access log line per request")
     parser.add_argument("--config", type=Path, help="YAML file of further engine settings (EngineConfig fields)")
+    parser.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                        help="largest request body taken; larger ones get 413 (default 8 MiB)")
 
 
 def engine_config(args):
@@ -61,6 +63,8 @@ def run(args) -> int:
     # Everything the user typed is checked, and the port taken, before the slow part (imports, model load).
     if not 1 <= args.port <= 65535:
         raise UserError(f"--port {args.port}: not a TCP port (1-65535)")
+    if args.max_request_bytes < 1:
+        raise UserError(f"--max-request-bytes must be positive, not {args.max_request_bytes}")
     api_key = api_key_from(args.api_key, args.api_key_file)
     config = engine_config(args)
     sock = bind(args.host, args.port)
@@ -89,7 +93,8 @@ def _serve(args, config, api_key: str | None, sock) -> int:
     print(f"[lowbit] {args.model}: {engine.runner.num_blocks} KV blocks of {config.block_size} tokens "
           f"({engine.runner.kv_dtype}), context {engine.max_model_len}, on {engine.runner.device}", flush=True)
     async_engine = AsyncEngine(engine)
-    app = build_app(async_engine, args.model, api_key, public_metrics=args.public_metrics, access_log=not args.quiet)
+    app = build_app(async_engine, args.model, api_key, public_metrics=args.public_metrics, access_log=not args.quiet,
+                    max_request_bytes=args.max_request_bytes)
     auth = "no API key" if api_key is None else \
         ("API key on /v1/*" if args.public_metrics else "API key on /v1/* and /metrics")
     print(f"[lowbit] serving {args.model} on http://{args.host}:{args.port}/v1 ({auth})", flush=True)

@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic, shipped with FastAPI) and their mapping onto SamplingParams."""
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from lowbit.serve.engine.sampling_params import SamplingParams
 
@@ -18,26 +18,55 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx body (documented in the OpenAPI schema)."""
+    error: ErrorDetail
+
+
+def _valid_unicode(s: str) -> str:
+    """Refuses text that is not valid Unicode (a lone surrogate such as JSON's "\\ud800"): the tokenizer and the
+    UTF-8 response would fail on it."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"invalid Unicode (a lone surrogate) at character {e.start}") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+StopText = Annotated[str, Field(max_length=1024), AfterValidator(_valid_unicode)]
+MAX_PROMPTS = 1024  # prompts in one completion request
+MAX_STOP = 16  # stop strings per request
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # vLLM extension
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM extension
+    # ranges: OpenAI's documented ones (temperature [0, 2], penalties [-2, 2], n up to 128); NaN / inf refused
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model: Text
+    max_tokens: int | None = Field(None, ge=0)  # at most max_model_len: api.py
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, lt=1 << 31)  # vLLM extension
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
+    stop: StopText | list[StopText] | None = Field(None, max_length=MAX_STOP)
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=1 << 31)]] | None = Field(None, max_length=1024)  # vLLM
     ignore_eos: bool = False  # vLLM extension
-    n: int = 1
+    n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict | None = None
     response_format: dict | None = None
     tools: list | None = None
@@ -65,10 +94,10 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: Text | list[Text] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -78,6 +107,8 @@ class CompletionRequest(_Common):
             return [p]
         if not p:
             raise APIError(400, "prompt must not be empty", param="prompt")
+        if len(p) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
         return list(p)
 
     def params(self) -> SamplingParams:
@@ -89,25 +120,31 @@ class CompletionRequest(_Common):
         return self.sampling(self.max_tokens, self.logprobs, self.logprobs if wants_prompt else None)
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: Text = ""
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
+    content: Text | list[ContentPart] | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
+        parts = [p.text for p in self.content if p.type == "text"]
         if len(parts) != len(self.content):
             raise APIError(400, "only text content parts are supported", param="messages")
         return "".join(parts)
 
 
 class ChatRequest(_Common):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(max_length=4096)  # templating is Python: it holds the GIL
+    max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def params(self) -> SamplingParams:
         if not self.messages:
