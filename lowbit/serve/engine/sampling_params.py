@@ -1,5 +1,21 @@
 """Per-request generation settings, the names vLLM and OpenAI users know."""
+import json
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """What a constrained request's output must be (lowbit.serve.engine.structured compiles it):
+    json_object: any JSON object; json_schema: an instance of `schema`; tool_calls: a JSON array of calls
+    [{"name", "arguments"}] of `tools` ({"name", "parameters"} each; single: exactly one call); tool_tags: free text
+    in which each call is written <tool_call>{"name": ..., "arguments": ...}</tool_call>."""
+    kind: str
+    schema: dict | None = None
+    tools: tuple = ()
+    single: bool = False
+
+    def key(self) -> str:
+        return json.dumps([self.kind, self.schema, list(self.tools), self.single], sort_keys=True)
 
 
 @dataclass
@@ -14,6 +30,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always included)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (needs the whole prompt computed)
+    structured: StructuredSpec | None = None  # a grammar the output must follow (response_format, tools)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
