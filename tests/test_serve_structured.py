@@ -107,7 +107,7 @@ def structured_requests(prompts):
         requests.append((f"{name}-greedy", prompts[i], SamplingParams(max_tokens=120, temperature=0, structured=spec)))
         requests.append((f"{name}-sampled", prompts[i + 1],
                          SamplingParams(max_tokens=120, temperature=1.0, seed=i, structured=spec)))
-    tools = StructuredSpec("tool_calls", tools=(TOOL,))
+    tools = StructuredSpec("tool_calls", tools=(TOOL,), single=True)  # the real model repeats calls when allowed
     requests += [("object", prompts[0], SamplingParams(max_tokens=200, temperature=0.8, seed=7,
                                                        structured=StructuredSpec("json_object"))),
                  ("tools", prompts[2], SamplingParams(max_tokens=120, temperature=1.0, seed=3, structured=tools)),

@@ -285,7 +285,7 @@ class OpenAIServer:
                 m["content"] += (f'{structured.TOOL_BEGIN}{{"name": {json.dumps(f.get("name"))}, "arguments": '
                                  f'{f.get("arguments") or "{}"}}}{structured.TOOL_END}')
         tools = structured_output.function_tools(req.tools)
-        tool_spec = structured_output.tools_spec(tools, req.tool_choice)
+        tool_spec = structured_output.tools_spec(tools, req.tool_choice, req.parallel_tool_calls)
         format_spec = structured_output.response_format_spec(req.response_format)
         if tool_spec is not None and format_spec is not None:
             raise APIError(400, "response_format cannot be combined with tool calls (use tool_choice 'none')",

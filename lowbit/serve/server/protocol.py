@@ -42,7 +42,7 @@ class _Common(BaseModel):
     response_format: dict | None = None  # text | json_object | json_schema: server/structured_output.py
     tools: list | None = None  # chat only, with tool_choice
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None  # accepted; "required" may always return several calls
+    parallel_tool_calls: bool | None = None  # false: tool_choice "required" gives exactly one call
 
     def check_unsupported(self) -> None:
         """Refuse, rather than ignore, what the engine does not do."""

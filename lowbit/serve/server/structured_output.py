@@ -1,8 +1,8 @@
 """OpenAI's `response_format`, `tools` and `tool_choice` -> a StructuredSpec for the engine, the tools' description
 for the prompt, and the generated text -> `message.tool_calls` (OpenAI's shapes).
 
-tool_choice "required" or a named function: the output is a JSON array of calls [{"name", "arguments"}] (named:
-exactly one). "auto" (the default with tools): free text in which a call is written
+tool_choice "required" or a named function: the output is a JSON array of calls [{"name", "arguments"}] (named, or
+parallel_tool_calls false: exactly one; a small model may repeat calls until max_tokens when several are allowed). "auto" (the default with tools): free text in which a call is written
 <tool_call>{"name": ..., "arguments": ...}</tool_call>; the grammar constrains what follows <tool_call>.
 "none": plain text (the tools are still described in the prompt).
 """
@@ -53,9 +53,10 @@ def function_tools(tools: list | None) -> list[dict]:
     return out
 
 
-def tools_spec(tools: list[dict], tool_choice) -> StructuredSpec | None:
+def tools_spec(tools: list[dict], tool_choice, parallel: bool | None = None) -> StructuredSpec | None:
     """tools from `function_tools`, tool_choice "none" | "auto" | "required" | {"type": "function",
-    "function": {"name"}} (None: "auto" with tools) -> spec (None: unconstrained)."""
+    "function": {"name"}} (None: "auto" with tools) -> spec (None: unconstrained). parallel (OpenAI's
+    parallel_tool_calls): False allows one call only."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
@@ -67,7 +68,7 @@ def tools_spec(tools: list[dict], tool_choice) -> StructuredSpec | None:
     if choice == "auto":
         return StructuredSpec("tool_tags", tools=schema_tools)
     if choice == "required":
-        return StructuredSpec("tool_calls", tools=schema_tools)
+        return StructuredSpec("tool_calls", tools=schema_tools, single=parallel is False)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     named = [t for t in schema_tools if t["name"] == name]
     if not named:
