@@ -21,6 +21,7 @@ from lowbit.serve.runner.sampler import SampledLogprobs, Sampler, sampled_logpro
 from lowbit.serve.engine.sampling_params import SamplingParams
 from lowbit.serve.engine.scheduler import Batch, Scheduler
 from lowbit.serve.engine.sequence import PENDING, Sequence
+from lowbit.serve.engine import structured
 
 
 class ContextLengthError(ValueError):
@@ -39,6 +40,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
     num_sent_tokens: int = 0  # completion tokens already reported in a RequestOutput
+    grammar: "structured.GrammarState | None" = None  # structured output: the tokens allowed next
 
 
 @dataclass
@@ -105,7 +107,20 @@ class Engine:
         self.in_flight: InFlight | None = None
         self.scoring: set[str] = set()  # requests whose prompt steps need the logits on the host (_scores_prompt)
         self._seed = random.Random(self.config.seed)
+        self._grammars: structured.Grammars | None = None
+        self.constrained: set[str] = set()  # requests with a grammar: their steps run without overlap
         _freeze_startup_heap()
+
+    @property
+    def grammars(self) -> "structured.Grammars":
+        """The grammar compiler for this tokenizer and vocabulary (made on first use; needs xgrammar).
+        Thread-safe: the HTTP layer compiles specs with it off the engine thread."""
+        if self._grammars is None:
+            if not structured.available():
+                raise ValueError(structured.MISSING)
+            self._grammars = structured.Grammars(self.tokenizer, self.runner.model.config["vocab_size"],
+                                                 sorted(self.eos_token_ids))
+        return self._grammars
 
     # ---- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -122,9 +137,12 @@ class Engine:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         seed = params.seed if params.seed is not None else self._seed.getrandbits(63)
+        grammar = self.grammars.state(params.structured) if params.structured is not None else None
         seq = Sequence(ids, params, request_id)
         detokenizer = Detokenizer(self.tokenizer, ids, params.stop, self.decode, once=not stream)
-        self.requests[request_id] = Request(seq, text, detokenizer, seed, max_tokens, ids, stream)
+        self.requests[request_id] = Request(seq, text, detokenizer, seed, max_tokens, ids, stream, grammar=grammar)
+        if grammar is not None:
+            self.constrained.add(request_id)
         if params.prompt_logprobs is not None or max_tokens == 0:
             self.scoring.add(request_id)
         self.metrics.prompt_tokens += len(ids)
@@ -145,6 +163,7 @@ class Engine:
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         self.scoring.discard(request_id)
+        self.constrained.discard(request_id)
         if request is not None and not request.seq.is_finished:
             self.scheduler.finish(request.seq, "abort")
             self.metrics.on_finish("abort")
@@ -158,7 +177,7 @@ class Engine:
         step is only launched, and the outputs are those of the previous step, whose tokens the device has sampled
         meanwhile: the host schedules and prepares step n+1 while the device computes step n."""
         batch = self.scheduler.schedule()
-        if batch is not None and (not self.overlap or self._scores_prompt(batch)):
+        if batch is not None and (not self.overlap or self._scores_prompt(batch) or self._is_constrained(batch)):
             outputs = self._resolve()  # the in-flight tokens may finish sequences of this batch
             batch = _without_finished(batch)
             return outputs + (self._step_now(batch) if batch is not None else [])
@@ -174,6 +193,11 @@ class Engine:
         max_tokens=0 request (its prompt is all it computes)."""
         return bool(self.scoring) and any(s.request_id in self.scoring and s.num_computed_tokens < s.num_prompt_tokens
                                           for s in batch.seqs)
+
+    def _is_constrained(self, batch: Batch) -> bool:
+        """Whether a sequence of the batch follows a grammar: its mask needs the token before, so its steps run at
+        once (never launched with a PENDING token); the other sequences' in-flight tokens are resolved first."""
+        return bool(self.constrained) and any(s.request_id in self.constrained for s in batch.seqs)
 
     def _step_now(self, batch: Batch) -> list[RequestOutput]:
         """A step whose logits the host needs at once (`_scores_prompt`), or any step without overlap."""
@@ -282,8 +306,9 @@ class Engine:
         if len(sampled) < logits.shape[0]:
             logits = logits[[r for _, r in sampled]]
         reqs = [self.requests[s.request_id] for s, _ in sampled]
+        bitmask = structured.batch_bitmask([q.grammar for q in reqs], logits.shape[-1]) if self.constrained else None
         tokens, logprobs = self.sampler(logits, [s.params for s, _ in sampled], [q.seed for q in reqs],
-                                        [s.num_tokens for s, _ in sampled])
+                                        [s.num_tokens for s, _ in sampled], bitmask)
         now = time.monotonic()
         for (seq, _), request, token, lp in zip(sampled, reqs, tokens, logprobs):
             self._append(seq, request, token, lp, now)
@@ -302,15 +327,20 @@ class Engine:
             self.metrics.itl.observe(now - request.last_token_time)
         request.last_token_time = now
         p = seq.params
+        if request.grammar is not None:
+            request.grammar.accept(token)
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
             self._finish(seq, "stop")
         elif request.detokenizer.add(token):
+            self._finish(seq, "stop")
+        elif request.grammar is not None and request.grammar.terminated:  # complete (or, never, refused)
             self._finish(seq, "stop")
         elif num_completion >= request.max_tokens:
             self._finish(seq, "length")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scoring.discard(seq.request_id)
+        self.constrained.discard(seq.request_id)
         self.scheduler.finish(seq, reason)
         self.metrics.on_finish(reason)
 

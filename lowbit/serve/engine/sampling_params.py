@@ -1,4 +1,5 @@
 """Per-request generation settings, the names vLLM and OpenAI users know."""
+import json
 import math
 import struct
 from dataclasses import dataclass, field
@@ -13,6 +14,21 @@ def _float32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
+@dataclass(frozen=True)
+class StructuredSpec:
+    """What a constrained request's output must be (lowbit.serve.engine.structured compiles it):
+    json_object: any JSON object; json_schema: an instance of `schema`; tool_calls: a JSON array of calls
+    [{"name", "arguments"}] of `tools` ({"name", "parameters"} each; single: exactly one call); tool_tags: free text
+    in which each call is written <tool_call>{"name": ..., "arguments": ...}</tool_call>."""
+    kind: str
+    schema: dict | None = None
+    tools: tuple = ()
+    single: bool = False
+
+    def key(self) -> str:
+        return json.dumps([self.kind, self.schema, list(self.tools), self.single], sort_keys=True)
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16  # None: up to the context length
@@ -25,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always included)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (needs the whole prompt computed)
+    structured: StructuredSpec | None = None  # a grammar the output must follow (response_format, tools)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

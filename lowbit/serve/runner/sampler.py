@@ -10,6 +10,7 @@ import torch
 
 from lowbit.kernels import argmax_rows, exponential_noise
 from lowbit.serve.engine.sampling_params import SamplingParams
+from lowbit.serve.engine.structured import apply_bitmask
 
 TopLogprobs = list[tuple[int, float]]
 _MASK64 = (1 << 64) - 1
@@ -68,10 +69,15 @@ def _on(device, values: list, dtype) -> torch.Tensor:
 
 
 class Sampler:
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]
-               ) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int],
+               bitmask: torch.Tensor | None = None) -> torch.Tensor:
         """logits [S, V] float32; per row the request's seed and the position of the token being chosen -> token
-        ids [S] int64 on logits' device. Never waits for the device, so the host can go on while it samples."""
+        ids [S] int64 on logits' device. Never waits for the device, so the host can go on while it samples.
+        bitmask: int32 [S, ceil(V / 32)] on the host, the tokens each row may take (structured output); it masks
+        a copy, so logprobs stay those of the raw distribution."""
+        if bitmask is not None:
+            logits = logits.clone()
+            apply_bitmask(logits, bitmask)
         tokens = argmax_rows(logits)
         rows = [r for r, p in enumerate(params) if not p.greedy]
         if rows:
@@ -81,9 +87,10 @@ class Sampler:
             tokens.index_copy_(0, index, chosen)
         return tokens
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]):
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int],
+                 bitmask: torch.Tensor | None = None):
         """As `sample`, then on the host: (token ids [S] list, per row (logprob, top) or None when not requested)."""
-        tokens = self.sample(logits, params, seeds, positions)
+        tokens = self.sample(logits, params, seeds, positions, bitmask)
         logprobs = sampled_logprobs(logits, tokens, params)
         if logprobs is None:
             return tokens.tolist(), [None] * len(params)

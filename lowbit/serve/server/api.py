@@ -4,6 +4,7 @@ The only module that imports FastAPI (and, through protocol.py, pydantic).
 """
 import asyncio
 import copy
+import dataclasses
 import json
 import time
 from functools import lru_cache
@@ -21,6 +22,8 @@ from lowbit.serve.engine.outputs import RequestOutput
 from lowbit.serve.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from lowbit.serve.server.inputs import PromptError, PromptProcessor
 from lowbit.serve.server.protocol import APIError, ChatRequest, CompletionRequest, ErrorResponse
+from lowbit.serve.engine import structured
+from lowbit.serve.server import structured_output
 
 # The responses each endpoint documents in the OpenAPI schema besides its 200 (FastAPI's 422 is never sent:
 # validation errors are 400s).
@@ -212,6 +215,19 @@ class OpenAIServer:
             raise APIError(500, str(e), "server_error") from e
         return rid, streams
 
+    async def _constrain(self, params, spec, param: str):
+        """params with the structured-output spec, compiled here off the engine thread (the engine finds it in
+        the cache); 400 when xgrammar is missing or cannot compile the schema."""
+        if spec is None:
+            return params
+        if not structured.available():
+            raise APIError(400, structured.MISSING, param=param)
+        try:
+            await asyncio.to_thread(self.engine.engine.grammars.compile, spec)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from e
+        return dataclasses.replace(params, structured=spec)
+
     @staticmethod
     async def _finals(streams, request: Request) -> list[RequestOutput]:
         """The last output of each stream; a client that disconnects meanwhile aborts them all (499)."""
@@ -243,6 +259,8 @@ class OpenAIServer:
         self._check_model(req.model)
         params = req.params()
         self._check_max_tokens(params, "max_tokens")
+        params = await self._constrain(params, structured_output.response_format_spec(req.response_format),
+                                       "response_format")
         prompts = await self._prepared(self.inputs.completion, req.prompts())
         rid, streams = await self._submit("cmpl", prompts, params, req.stream)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
@@ -302,20 +320,57 @@ class OpenAIServer:
         params = req.params()
         self._check_max_tokens(params, "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        params, tool_spec = await self._chat_structure(req, params, messages)
         ids = await self._prepared(self.inputs.chat, messages)
         rid, streams = await self._submit("chatcmpl", [(ids, None)], params, req.stream)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
-            return self._stream(self._chat_events(req, head | {"object": "chat.completion.chunk"}, streams[0]))
+            return self._stream(self._chat_events(req, head | {"object": "chat.completion.chunk"}, streams[0],
+                                                  tool_spec))
         try:
             (out,) = await self._finals(streams, request)
         except EngineDeadError as e:
             raise APIError(500, str(e), "server_error") from e
         c = out.outputs[0]
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
+        message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+        if tool_spec is not None:
+            message, reason = self._tool_message(c.text, c.finish_reason, tool_spec)
+        choice = {"index": 0, "message": message,
                   "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if req.logprobs else None,
-                  "finish_reason": c.finish_reason}
+                  "finish_reason": reason}
         return head | {"choices": [choice], "usage": self._usage([out])}
+
+    async def _chat_structure(self, req: ChatRequest, params, messages: list[dict]):
+        """response_format or tools -> (params with their grammar, the spec when the output holds tool calls);
+        describes the tools in a system message and writes earlier calls back into the assistants' texts."""
+        for m, source in zip(messages, req.messages):
+            for call in source.tool_calls or []:
+                f = call.get("function", {}) if isinstance(call, dict) else {}
+                m["content"] += (f'{structured.TOOL_BEGIN}{{"name": {json.dumps(f.get("name"))}, "arguments": '
+                                 f'{f.get("arguments") or "{}"}}}{structured.TOOL_END}')
+        tools = structured_output.function_tools(req.tools)
+        tool_spec = structured_output.tools_spec(tools, req.tool_choice, req.parallel_tool_calls)
+        format_spec = structured_output.response_format_spec(req.response_format)
+        if tool_spec is not None and format_spec is not None:
+            raise APIError(400, "response_format cannot be combined with tool calls (use tool_choice 'none')",
+                           param="response_format")
+        if tools:
+            at = 1 if messages and messages[0]["role"] == "system" else 0
+            text = structured_output.tools_prompt(tools, tool_spec)
+            if at:
+                messages[0]["content"] += "\n\n" + text
+            else:
+                messages.insert(0, {"role": "system", "content": text})
+        spec = tool_spec or format_spec
+        params = await self._constrain(params, spec, "tools" if tool_spec is not None else "response_format")
+        return params, tool_spec
+
+    @staticmethod
+    def _tool_message(text: str, reason: str | None, spec) -> tuple[dict, str | None]:
+        """A tool-mode output -> (the assistant message with its tool_calls, finish_reason)."""
+        content, calls = structured_output.tool_calls(text, spec)
+        message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+        return message, "tool_calls" if calls and reason == "stop" else reason
 
     def _chat_logprobs(self, ids: list[int], entries: list) -> dict:
         def item(t, lp):
@@ -324,13 +379,22 @@ class OpenAIServer:
         return {"content": [item(i, e[0]) | {"top_logprobs": [item(t, lp) for t, lp in e[1]]}
                             for i, e in zip(ids, entries)]}
 
-    async def _chat_events(self, req: ChatRequest, head: dict, stream):
+    async def _chat_events(self, req: ChatRequest, head: dict, stream, tool_spec=None):
+        """SSE chunks; with tool calls possible (tool_spec) the text is held back and sent parsed in the last chunk."""
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         yield head | {"choices": [first]}
-        final = None
+        final, held = None, []
         async for _, out in _merge([stream]):
             reason = out.outputs[0].finish_reason
             delta = {"content": out.delta_text} if out.delta_text else {}
+            if tool_spec is not None:
+                held.append(out.delta_text)
+                delta = {}
+                if reason:
+                    message, reason = self._tool_message("".join(held), reason, tool_spec)
+                    delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+                    for i, call in enumerate(delta.get("tool_calls", [])):
+                        call["index"] = i
             logprobs = self._chat_logprobs(out.delta_token_ids, out.delta_logprobs) if req.logprobs else None
             if delta or reason:
                 yield head | {"choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}

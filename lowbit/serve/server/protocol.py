@@ -68,18 +68,18 @@ class _Common(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict | None = None
-    response_format: dict | None = None
-    tools: list | None = None
+    response_format: dict | None = None  # text | json_object | json_schema: server/structured_output.py
+    tools: list | None = None  # chat only, with tool_choice
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # false: tool_choice "required" gives exactly one call
 
     def check_unsupported(self) -> None:
         """Refuse, rather than ignore, what the engine does not do."""
         if self.n != 1:
             raise APIError(400, "only n=1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty", "logit_bias", "tools"):
+        for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported", param=name)
-        if self.response_format and self.response_format.get("type") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
 
     def sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
                  ) -> SamplingParams:
@@ -116,6 +116,8 @@ class CompletionRequest(_Common):
             raise APIError(400, "only best_of=1 is supported", param="best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
+        if self.tools or self.tool_choice is not None:
+            raise APIError(400, "tools are supported in /v1/chat/completions only", param="tools")
         wants_prompt = self.echo and self.logprobs is not None
         return self.sampling(self.max_tokens, self.logprobs, self.logprobs if wants_prompt else None)
 
@@ -130,6 +132,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[ContentPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls, written back into its text
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
