@@ -279,11 +279,11 @@ def greedy_with_logits(engine, prompts, osl, forced: list[list[int]] | None = No
         steps.append(out.float().clone())
         return out
 
-    def recording_sampler(logits, params, seeds, positions):
+    def recording_sampler(logits, params, seeds, positions, bitmask=None):
         if forced:  # teacher forcing: the other run's tokens of this step (same schedule, same rows)
             tokens, logprobs = list(forced[len(picks)]), [None] * len(params)
         else:
-            tokens, logprobs = sampler(logits, params, seeds, positions)
+            tokens, logprobs = sampler(logits, params, seeds, positions, bitmask)
         picks.append(tokens)
         return tokens, logprobs
 
