@@ -47,10 +47,12 @@ class TorchAttentionBackend:
             q, k, v = rotary_qk_ref(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales)
         else:  # rotary_qk_ref's elementwise math on q's and k's heads in one pass, cos/sin gathered once a step
             cos, sin = _MEMO.cos_sin(positions, cos_sin_cache)
-            qk_end = (num_q_heads + num_k_heads) * d
-            qk = _rotate(qkv[:, :qk_end].reshape(t, num_q_heads + num_k_heads, d), cos, sin)
+            n = num_q_heads + 2 * num_k_heads
+            heads = qkv.view(t, -1, d) if qkv.is_contiguous() and qkv.shape[1] % d == 0 else \
+                qkv[:, :n * d].reshape(t, n, d)  # [T, >= Hq+2Hk, D], a view when the rows allow it
+            qk = _rotate(heads[:, :num_q_heads + num_k_heads], cos, sin)
             q, k = qk[:, :num_q_heads].reshape(t, -1), qk[:, num_q_heads:]
-            v = qkv[:, qk_end:qk_end + num_k_heads * d]
+            v = heads[:, num_q_heads + num_k_heads:num_q_heads + 2 * num_k_heads]
         TorchAttentionBackend.store_kv(k.reshape(t, num_k_heads, d), v.reshape(t, num_k_heads, d), kv_cache,
                                        slot_mapping, k_scale, v_scale)
         return q
