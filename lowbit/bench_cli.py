@@ -12,6 +12,7 @@ BENCHES = {
     "serve": "serve_bench",  # engine throughput and latency on dummy Llama-3.1-8B weights vs HF generate (GPU)
     "serve-load": "serve_load",  # concurrent streaming clients against `lowbit serve` (loopback)
     "engine-overhead": "engine_overhead",  # the engine's host work per step, model forward stubbed (CPU)
+    "cpu": "cpu",  # the CPU engine vs transformers generate and HFLM-style scoring, same model and threads (CPU)
 }
 
 

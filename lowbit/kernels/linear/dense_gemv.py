@@ -32,8 +32,11 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """F.linear(x, weight, bias), run by the GEMV when x is one bf16 / fp16 row on the GPU (decode at batch 1).
     silu_mul: weight is a merged gate/up [2D, K] and the result silu_and_mul of it, [..., D] (one launch at one row:
     the GEMV's epilogue)."""
+    if not on_gpu(x):  # no GPU kernel applies (routes.route with arch None): torch's GEMM, without the lookup
+        y = F.linear(x, weight, bias)
+        return silu_and_mul(y) if silu_mul else y
     x16 = x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-    arch = capability(x.device) if on_gpu(x) else None
+    arch = capability(x.device)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if routes.route("linear", "dense", rows, weight.shape[0], weight.shape[-1], arch, x16=x16) == "dense_gemv":
         return dense_gemv(x.reshape(1, -1), weight, bias, silu_mul=silu_mul).reshape(*x.shape[:-1], -1)

@@ -13,6 +13,7 @@ rms_norm / silu_and_mul given quant_scale=input_scale; the output is then bf16 (
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from lowbit import formats
 from lowbit.formats import Format
@@ -82,6 +83,8 @@ def prepare_linear(algo, tensors: dict, device, *, pack: bool | None = None, kee
         p.input_scale = None  # dynamic per token whatever the checkpoint holds
     if keep_source:
         p.source = {name: t.to(device) for name, t in tensors.items()}
+        if not pack:  # the reference path's one fp32 weight, dequantized now rather than in the first request
+            p.ref_weight()
     if pack:
         _pack(p, fmt, tensors, device)
     return p
@@ -123,7 +126,7 @@ def linear_ref(x: torch.Tensor, prepared: PreparedLinear, bias: torch.Tensor | N
         xq = (x.float() * prepared.input_scale.to(x.device)).to(_out_dtype(x, out_dtype)).float()
     else:
         xq = prepared.fmt.quantize_activation(x, prepared.activation_tensors()).float()
-    y = xq @ prepared.ref_weight().to(x.device).t()
+    y = F.linear(xq, prepared.ref_weight().to(x.device))  # the fp32 weight is dequantized once per layer
     if bias is not None:
         y = y + bias.float()
     return y.to(_out_dtype(x, out_dtype))

@@ -17,7 +17,7 @@ from lowbit.serve.engine.detokenizer import Detokenizer, decoder
 from lowbit.serve.engine.metrics import EngineMetrics
 from lowbit.serve.runner.model_runner import ModelRunner, PendingTokens
 from lowbit.serve.engine.outputs import CompletionOutput, RequestOutput
-from lowbit.serve.runner.sampler import SampledLogprobs, Sampler, sampled_logprobs, top_logprobs
+from lowbit.serve.runner.sampler import SampledLogprobs, Sampler, chosen_and_top, sampled_logprobs
 from lowbit.serve.engine.sampling_params import SamplingParams
 from lowbit.serve.engine.scheduler import Batch, Scheduler
 from lowbit.serve.engine.sequence import PENDING, Sequence
@@ -286,19 +286,19 @@ class Engine:
         """Stores prompt logprobs; returns per sequence the logits row to sample from (None: no sampling)."""
         if batch.is_decode:  # one row each, every sequence samples, no prompt token left to score
             return range(len(batch.seqs))
-        last_rows, offset = [], 0
+        last_rows, offset, scored = [], 0, []
         for seq, n, r in zip(batch.seqs, batch.num_new_tokens, rows):
             start = seq.num_computed_tokens
-            if seq.wants_prompt_logprobs and r:
-                lp = logits[offset:offset + len(r)].log_softmax(-1)
-                targets = [p + 1 for p in range(start, start + n)]
-                keep = [j for j, t in enumerate(targets) if t < seq.num_prompt_tokens and len(seq.prompt_logprobs) <= t]
+            if seq.wants_prompt_logprobs and r:  # row j predicts prompt token start + j + 1, if not scored yet
+                keep = [j for j in range(n) if start + j + 1 < seq.num_prompt_tokens
+                        and len(seq.prompt_logprobs) <= start + j + 1]
                 if keep:
-                    ids = torch.tensor([seq.token_ids[targets[j]] for j in keep], device=lp.device)
-                    seq.prompt_logprobs += top_logprobs(lp[keep], ids, seq.params.prompt_logprobs)
+                    scored.append((seq, [offset + j for j in keep], [seq.token_ids[start + j + 1] for j in keep]))
             samples = start + n == seq.num_tokens
             last_rows.append(offset + len(r) - 1 if samples else None)
             offset += len(r)
+        if scored:
+            _score_prompt_rows(logits, scored)
         return last_rows
 
     def _sample(self, sampled: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
@@ -376,6 +376,24 @@ class Engine:
                 "lowbit_kv_blocks_total": (bm.num_blocks, "KV cache blocks in the pool."),
                 "lowbit_prefix_cache_hit_rate": (hit_rate, "Prompt tokens found in the prefix cache / looked up."),
                 "lowbit_preemptions_total": (self.scheduler.num_preemptions, "Sequences preempted for recompute.")}
+
+
+def _score_prompt_rows(logits: torch.Tensor, scored: list[tuple[Sequence, list[int], list[int]]]) -> None:
+    """Prompt logprobs of every scored sequence of a step at once: one log_softmax over the wanted logits rows,
+    one gather of the prompt tokens and one top-n on the device, one copy to the host, then split per sequence.
+    scored: (sequence, its rows of logits [R, V], the prompt token id each row predicts)."""
+    rows = [r for _, seq_rows, _ in scored for r in seq_rows]
+    ids = [t for _, _, seq_ids in scored for t in seq_ids]
+    index = torch.tensor(rows, device=logits.device)
+    lp = logits.index_select(0, index).log_softmax(-1)
+    n = max(seq.params.prompt_logprobs for seq, _, _ in scored)
+    chosen, values, top = (t.tolist() for t in chosen_and_top(lp, torch.tensor(ids, device=lp.device), n))
+    at = 0
+    for seq, seq_rows, _ in scored:
+        k, end = seq.params.prompt_logprobs, at + len(seq_rows)
+        seq.prompt_logprobs += [(c, list(zip(i[:k], v[:k]))) for c, i, v in
+                                zip(chosen[at:end], top[at:end], values[at:end])]
+        at = end
 
 
 def _freeze_startup_heap() -> None:

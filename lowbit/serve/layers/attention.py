@@ -10,26 +10,50 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit.kernels import gather_kv, quantize_fp8_ref, rotary_qk_ref, store_kv_ref
+from lowbit.kernels import gather_kv, quantize_fp8_ref, rotary_qk_ref, store_kv_ref, v_blocks
 from lowbit.serve.runner.context import StepContext
 
 
 class TorchAttentionBackend:
-    """Reference: scatter K/V into slots, then per sequence gather its blocks and run SDPA with a causal offset."""
+    """Reference: scatter K/V into slots, then attend with SDPA over each sequence's gathered keys (every
+    sequence of a pure-decode step at once, one padded SDPA; a prompt chunk with a causal offset).
+
+    What every layer of a step shares is computed once per step (`_StepMemo`): the rotary cos/sin rows of the
+    step's positions and the cache slots each decoding sequence attends to.
+    """
 
     @staticmethod
     def store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale) -> None:
-        """k, v [T, Hk, D] -> the cache at slot // block_size, slot % block_size (slots < 0 skipped)."""
-        store_kv_ref(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+        """k, v [T, Hk, D] -> the cache at slot // block_size, slot % block_size (slots < 0 skipped): store_kv_ref's
+        writes, with the slots split into (block, offset) once a step on the CPU."""
+        where = _MEMO.store_slots(slot_mapping, kv_cache.shape[2])
+        if where is None:
+            store_kv_ref(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+            return
+        blk, off = where
+        for half, x, s in ((kv_cache[0], k, k_scale), (v_blocks(kv_cache), v, v_scale)):
+            if half.dtype == torch.float8_e4m3fn:
+                half.view(torch.uint8)[blk, off] = quantize_fp8_ref(x, s).view(torch.uint8)
+            else:
+                half[blk, off] = x.to(half.dtype)
 
     @staticmethod
     def rotary_store_kv(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales, kv_cache,
                         slot_mapping, k_scale, v_scale) -> torch.Tensor:
         """qkv [T, >= (Hq+2Hk)*D], the fused projection's rows -> rotated q [T, Hq*D]; rotated k and v stored as
-        store_kv stores them (rotary_qk_ref, then store_kv)."""
-        q, k, v = rotary_qk_ref(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales)
-        t, d = q.shape[0], cos_sin_cache.shape[-1]
-        TorchAttentionBackend.store_kv(k.view(t, num_k_heads, d), v.reshape(t, num_k_heads, d), kv_cache,
+        store_kv stores them (rotary_qk_ref's math, then store_kv)."""
+        t, d = qkv.shape[0], cos_sin_cache.shape[-1]
+        if part_scales is not None:  # deferred FP8 ratios (GPU merges only): the reference as written
+            q, k, v = rotary_qk_ref(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales)
+        else:  # rotary_qk_ref's elementwise math on q's and k's heads in one pass, cos/sin gathered once a step
+            cos, sin = _MEMO.cos_sin(positions, cos_sin_cache)
+            n = num_q_heads + 2 * num_k_heads
+            heads = qkv.view(t, -1, d) if qkv.is_contiguous() and qkv.shape[1] % d == 0 else \
+                qkv[:, :n * d].reshape(t, n, d)  # [T, >= Hq+2Hk, D], a view when the rows allow it
+            qk = _rotate(heads[:, :num_q_heads + num_k_heads], cos, sin)
+            q, k = qk[:, :num_q_heads].reshape(t, -1), qk[:, num_q_heads:]
+            v = heads[:, num_q_heads + num_k_heads:num_q_heads + 2 * num_k_heads]
+        TorchAttentionBackend.store_kv(k.reshape(t, num_k_heads, d), v.reshape(t, num_k_heads, d), kv_cache,
                                        slot_mapping, k_scale, v_scale)
         return q
 
@@ -37,6 +61,9 @@ class TorchAttentionBackend:
     def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None) -> torch.Tensor:
         """q [T, Hq, D] -> out [T, Hq, D]: each new token attends to its sequence's keys up to its own position.
         out_scale: the output (in q's dtype) quantized to float8_e4m3fn with this static scale."""
+        if ctx.is_decode:
+            out = _attend_decode(q, kv_cache, ctx, scale, k_scale, v_scale)
+            return out if out_scale is None else quantize_fp8_ref(out, out_scale)
         out = torch.empty_like(q)
         start = 0
         for b, (n, ctx_len) in enumerate(zip(ctx.query_lens_cpu, ctx.context_lens_cpu)):
@@ -51,6 +78,80 @@ class TorchAttentionBackend:
             out[start:start + n] = o[0].transpose(0, 1)
             start += n
         return out if out_scale is None else quantize_fp8_ref(out, out_scale)
+
+
+def _rotate(x, cos, sin):
+    """x [T, H, D] -> rotated (NeoX halves) in x's dtype, fp32 math: lowbit.kernels.rotary_ref's _rotate_ref."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def _attend_decode(q, kv_cache, ctx: StepContext, scale, k_scale, v_scale) -> torch.Tensor:
+    """One new token per sequence: q [B, Hq, D] -> [B, Hq, D], every sequence in one SDPA over its keys gathered
+    into [B, Hk, L, D] (L = the longest context; shorter ones masked past their length)."""
+    blk, off, mask = _MEMO.decode_slots(ctx, kv_cache.shape[2])
+    kv = []
+    for half, s in ((kv_cache[0], k_scale), (v_blocks(kv_cache), v_scale)):
+        if half.dtype == torch.float8_e4m3fn:  # gathered as bytes (CPU indexing has no float8 kernels)
+            x = (half.view(torch.uint8)[blk, off].view(half.dtype).float() * s).to(q.dtype)
+        else:
+            x = half[blk, off].to(q.dtype)  # [B, L, Hk, D], token order whatever the cache layout
+        kv.append(x.transpose(1, 2))
+    o = F.scaled_dot_product_attention(q[:, :, None], kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[:, :, 0]
+
+
+class _StepMemo:
+    """Per-step tensors every layer would otherwise rebuild, keyed by the identity of the step's own tensors
+    (held here, so an id is not reused): each step uploads new ones (ModelRunner.device_inputs), so a stale entry
+    is never hit. Static buffers rewritten in place between steps (CUDA graphs) run the Triton backend instead."""
+
+    def __init__(self):
+        self._rot_key = self._slots_key = self._store_key = None
+        self._rot = self._slots = self._store = None
+
+    def store_slots(self, slot_mapping, block_size: int):
+        """slot_mapping [T] on the CPU with no skipped (< 0) slot -> (block ids [T], offsets [T]); else None (the
+        reference handles it: on a GPU the check would wait for the device)."""
+        if slot_mapping.device.type != "cpu":
+            return None
+        key = (slot_mapping, block_size)
+        if not _same(key, self._store_key):
+            slots = slot_mapping.long()
+            where = None if bool((slots < 0).any()) else (slots // block_size, slots % block_size)
+            self._store_key, self._store = key, where
+        return self._store
+
+    def cos_sin(self, positions, cache):
+        """positions [T], cache [max_pos, D] -> cos, sin [T, 1, D/2] fp32 (rotary_ref's rows)."""
+        key = (positions, cache)
+        if not _same(key, self._rot_key):
+            cos, sin = cache[positions.long()].float().chunk(2, dim=-1)
+            self._rot_key, self._rot = key, (cos[:, None, :], sin[:, None, :])
+        return self._rot
+
+    def decode_slots(self, ctx: StepContext, block_size: int):
+        """ctx of a pure-decode step -> (block ids [B, L], offsets [B, L], mask [B, 1, 1, L] or None when every
+        context has length L): sequence b's tokens 0..L-1 (past its length: its own last slot, masked)."""
+        if self._slots_key is not ctx:
+            lens = ctx.context_lens_cpu
+            length, device = max(lens), ctx.block_tables.device
+            pos = torch.arange(length, device=device)
+            lens_t = torch.tensor(lens, device=device)
+            tok = torch.minimum(pos[None, :], lens_t[:, None] - 1)  # [B, L]
+            blk = ctx.block_tables.long().gather(1, tok // block_size)
+            mask = None if min(lens) == length else (pos[None, :] < lens_t[:, None])[:, None, None, :]
+            self._slots_key, self._slots = ctx, (blk, tok % block_size, mask)
+        return self._slots
+
+
+def _same(key: tuple, old: tuple | None) -> bool:
+    """Keys of (tensor, ..., other fields): the same tensor objects and equal other fields."""
+    return old is not None and all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(key, old))
+
+
+_MEMO = _StepMemo()
 
 
 _backend = TorchAttentionBackend()
