@@ -6,6 +6,8 @@ random client disconnects; bounded by a request count and a wall-clock limit.
 
 Prints throughput, TTFT and inter-token latency p50/p99, errors (other than the disconnects it caused), and the
 KV blocks still in use once the server is idle (0 means every finished or aborted request freed its blocks).
+With --mix: the soak of serve_mix.py (greedy requests checked against their outputs served alone, disconnects,
+413s and 400s mixed in); exits non-zero on anything lost, corrupted, 5xx or KV left in use.
 Uses only the standard library on the client side.
 """
 import argparse
@@ -20,6 +22,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
+
+from lowbit.bench import serve_mix
 
 
 @dataclass
@@ -161,6 +165,8 @@ def start_server(args) -> tuple[subprocess.Popen, str, int]:
         port = s.getsockname()[1]
     env = os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, "-m", "lowbit.cli", "serve", args.model, "--port", str(port), *args.server_args]
+    if args.mix:
+        cmd += ["--max-request-bytes", str(args.max_request_bytes), "--quiet"]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     proc = subprocess.Popen(cmd, env=env)
@@ -193,6 +199,9 @@ def main(argv=None) -> int:
     p.add_argument("--disconnect-fraction", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the summary here")
+    p.add_argument("--mix", action="store_true", help="the mixed soak (serve_mix.py); --output-len's MAX is max_tokens")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 16,
+                   help="--mix: the server's body limit (passed on when this starts it); oversized bodies exceed it")
     p.add_argument("server_args", nargs="*", help="after --: extra `lowbit serve` arguments")
     args = p.parse_args(argv)
     proc = None
@@ -204,7 +213,13 @@ def main(argv=None) -> int:
     else:
         proc, host, port = start_server(args)
     try:
-        summary = run_load(args, host, port)
+        if args.mix:
+            summary = serve_mix.run_mix(host, port, model=args.model, requests=args.requests, clients=args.clients,
+                                        max_tokens=args.output_len[1], oversize_bytes=args.max_request_bytes + 1,
+                                        seed=args.seed, api_key=args.api_key, max_time=args.max_time,
+                                        get_metrics=get_metrics)
+        else:
+            summary = run_load(args, host, port)
     finally:
         if proc is not None:
             proc.terminate()
@@ -213,6 +228,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
+    if args.mix:
+        return 1 if serve_mix.failed(summary) else 0
     return 0 if summary["errors"] == 0 and summary["kv_blocks_used_at_end"] == 0 else 1
 
 
