@@ -77,8 +77,25 @@ def _document_real_errors(app: FastAPI) -> None:
                     operation.get("responses", {}).pop("422", None)
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
+            _exact_integer_bounds(schema)
         return app.openapi_schema
     app.openapi = openapi
+
+
+def _exact_integer_bounds(node) -> None:
+    """FastAPI's OpenAPI model stores bounds as floats (2**64 as 1.8446744073709552e+19), which clients read as
+    inexact; integer fields get them back as JSON integers. Every such bound here is a power of two or small, so
+    the float holds it exactly."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                if isinstance(node.get(key), float) and node[key].is_integer():
+                    node[key] = int(node[key])
+        for value in node.values():
+            _exact_integer_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _exact_integer_bounds(value)
 
 
 class _ErrorJSON(JSONResponse):

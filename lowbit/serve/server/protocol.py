@@ -94,7 +94,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Text | list[Text] | list[int] | list[list[int]]
+    # the schema states the non-empty rule that prompts() and the engine enforce (with their own 400 messages)
+    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(json_schema_extra={"minLength": 1, "minItems": 1})
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -144,7 +145,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(max_length=4096)  # templating is Python: it holds the GIL
+    messages: list[ChatMessage] = Field(max_length=4096, json_schema_extra={"minItems": 1})  # templating is Python: it holds the GIL
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
