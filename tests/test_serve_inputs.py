@@ -208,6 +208,23 @@ def test_openapi_documents_the_real_responses(server):
     assert_openai_error(status, data, 404)
 
 
+def test_openapi_states_exact_integer_bounds_and_non_empty_inputs(server):
+    """Found by schemathesis: 2**64 served as the float 1.8446744073709552e+19 let schema-valid seeds above 2**64
+    through to a 400; an empty prompt or message list was schema-valid yet refused."""
+    _, text = http("GET", f"{server}/openapi.json")
+    schemas = json.loads(text)["components"]["schemas"]
+    seed = schemas["CompletionRequest"]["properties"]["seed"]["anyOf"][0]
+    assert seed["exclusiveMaximum"] == 1 << 64 and '"exclusiveMaximum":18446744073709551616' in text
+    assert seed["minimum"] == -(1 << 63) and "e+19" not in text and "e+18" not in text
+    prompt = schemas["CompletionRequest"]["properties"]["prompt"]
+    assert prompt["minLength"] == 1 and prompt["minItems"] == 1
+    assert schemas["ChatRequest"]["properties"]["messages"]["minItems"] == 1
+    for path, body in (("/v1/completions", CMPL | {"prompt": ""}), ("/v1/completions", CMPL | {"prompt": []}),
+                       ("/v1/chat/completions", {"model": DEFAULT_MODEL, "messages": []})):
+        status, _, data = post(server, path, body)
+        assert status == 400, (path, body, data)
+
+
 def test_405_carries_allow(server):
     status, headers, data = raw(server, "GET", "/v1/completions", None)
     assert_openai_error(status, data, 405)
