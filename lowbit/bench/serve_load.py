@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from lowbit.bench import serve_mix
+from lowbit.bench.loopback import metrics_when_idle, run_clients
 
 
 @dataclass
@@ -104,14 +105,6 @@ def make_requests(args, vocab_low=100, vocab_high=40000) -> list[tuple[dict, int
     return out
 
 
-def get_metrics(host, port, api_key: str | None = None) -> dict[str, float]:
-    conn = http.client.HTTPConnection(host, port, timeout=30)
-    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    text = conn.getresponse().read().decode()
-    conn.close()
-    return {k: float(v) for k, v in (l.rsplit(" ", 1) for l in text.splitlines() if l and not l.startswith("#"))}
-
-
 def run_load(args, host, port) -> dict:
     work = make_requests(args)
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})
@@ -131,16 +124,8 @@ def run_load(args, host, port) -> dict:
             with lock:
                 results.append(r)
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(args.clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    idle_deadline = time.perf_counter() + 30  # aborted requests leave at the engine's next step
-    while (m := get_metrics(host, port, args.api_key))["lowbit_requests_running"] > 0 and time.perf_counter() < idle_deadline:
-        time.sleep(0.2)
+    wall = run_clients(args.clients, client)
+    m = metrics_when_idle(host, port, args.api_key)
     tokens = sum(r.completion_tokens or len(r.itls) + (r.ttft is not None) for r in results)
     ttfts = [r.ttft for r in results if r.ttft is not None]
     itls = [x for r in results for x in r.itls]
@@ -216,8 +201,7 @@ def main(argv=None) -> int:
         if args.mix:
             summary = serve_mix.run_mix(host, port, model=args.model, requests=args.requests, clients=args.clients,
                                         max_tokens=args.output_len[1], oversize_bytes=args.max_request_bytes + 1,
-                                        seed=args.seed, api_key=args.api_key, max_time=args.max_time,
-                                        get_metrics=get_metrics)
+                                        seed=args.seed, api_key=args.api_key, max_time=args.max_time)
         else:
             summary = run_load(args, host, port)
     finally:

@@ -16,6 +16,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from lowbit.bench.loopback import metrics_when_idle, run_clients
+
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The quick brown fox",
            "In 1492, Columbus", "Water boils at", "My favourite colour is", "import numpy as np\n",
            "The meaning of life is", "Roses are red,", "1, 2, 3, 4,", "Dear Sir or Madam,",
@@ -121,8 +123,7 @@ def expected_outputs(host, port, model, max_tokens, headers, prompts) -> dict[st
     return out
 
 
-def run_mix(host, port, *, model, requests, clients, max_tokens, oversize_bytes, seed, api_key, max_time,
-            get_metrics) -> dict:
+def run_mix(host, port, *, model, requests, clients, max_tokens, oversize_bytes, seed, api_key, max_time) -> dict:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
     work = plan(requests, seed, model, max_tokens, oversize_bytes)
     expected = expected_outputs(host, port, model, max_tokens, headers, sorted({p for _, _, p in work}))
@@ -141,16 +142,8 @@ def run_mix(host, port, *, model, requests, clients, max_tokens, oversize_bytes,
             with lock:
                 results.append(r)
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    idle_deadline = time.perf_counter() + 30  # aborted requests leave at the engine's next step
-    while (m := get_metrics(host, port, api_key))["lowbit_requests_running"] > 0 and time.perf_counter() < idle_deadline:
-        time.sleep(0.2)
+    wall = run_clients(clients, client)
+    m = metrics_when_idle(host, port, api_key)
     want = {"stream": 200, "unary": 200, "disconnect": 200, "oversized": 413}
     lost = [r for r in results if not r.final]
     corrupted = [r for r in results if r.kind in ("stream", "unary") and r.final and r.status == 200
