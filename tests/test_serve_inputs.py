@@ -90,7 +90,7 @@ MALFORMED = [
     ("chat/completions", CHAT | {"max_completion_tokens": 10 ** 9}, "max_completion_tokens"),
     ("completions", CMPL | {"n": 0}, "n"),
     ("completions", CMPL | {"n": 10 ** 9}, "n"),
-    ("completions", CMPL | {"n": 2}, "n"),
+    ("completions", CMPL | {"n": 8, "prompt": ["a"] * 200}, "prompt"),  # 1,600 choices > 1,024
     ("completions", CMPL | {"logprobs": 21}, "logprobs"),
     ("completions", CMPL | {"logprobs": 1e30}, "logprobs"),
     ("chat/completions", CHAT | {"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
@@ -223,6 +223,55 @@ def test_openapi_states_exact_integer_bounds_and_non_empty_inputs(server):
                        ("/v1/chat/completions", {"model": DEFAULT_MODEL, "messages": []})):
         status, _, data = post(server, path, body)
         assert status == 400, (path, body, data)
+
+
+def test_openapi_bounds_token_ids_by_the_vocabulary(server):
+    """Found by schemathesis: token ids past the vocabulary were schema-valid yet refused."""
+    _, text = http("GET", f"{server}/openapi.json")
+    prompt = json.loads(text)["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+    integers = [n for n in _walk(prompt) if n.get("type") == "integer"]
+    assert len(integers) == 2 and all(n["minimum"] == 0 and n["maximum"] == 49151 for n in integers)
+    for ids in ([49151], [[49151], [1]]):
+        assert post(server, "/v1/completions", CMPL | {"prompt": ids, "max_tokens": 1})[0] == 200
+    status, _, data = post(server, "/v1/completions", CMPL | {"prompt": [49152]})
+    assert_openai_error(status, data, 400, "prompt")
+
+
+def _walk(node):
+    if isinstance(node, dict):
+        yield node
+        for v in node.values():
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
+
+
+def test_n_choices_are_the_seeded_single_choices(client):
+    """n > 1: choice j is what n=1 gives with seed + j; greedy choices are equal; streamed chunks carry each
+    choice's index and add up to the unstreamed texts; usage counts the prompt once."""
+    kw = dict(model=DEFAULT_MODEL, max_tokens=6, temperature=1.0, seed=7)
+    prompt = "Once upon a time"
+    many = client.completions.create(prompt=prompt, n=3, **kw)
+    singles = [client.completions.create(prompt=prompt, **(kw | {"seed": 7 + j})) for j in range(3)]
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    texts = [s.choices[0].text for s in singles]
+    assert [c.text for c in many.choices] == texts and len(set(texts)) > 1
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    two_prompts = client.completions.create(prompt=[prompt, "The sky"], n=2, max_tokens=4, temperature=0,
+                                            model=DEFAULT_MODEL)
+    texts = [c.text for c in sorted(two_prompts.choices, key=lambda c: c.index)]
+    assert texts[0] == texts[1] and texts[2] == texts[3] and texts[0] != texts[2]  # prompt-major, greedy copies
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    chat = client.chat.completions.create(messages=messages, n=2, **kw)
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(messages=messages, n=2, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == [c.message.content for c in chat.choices] and streamed[0] != streamed[1]
+    single = client.chat.completions.create(messages=messages, **(kw | {"seed": 8}))
+    assert chat.choices[1].message.content == single.choices[0].message.content
 
 
 def test_405_carries_allow(server):

@@ -47,7 +47,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if access_log:
         app.add_middleware(AccessLog)
-    _document_real_errors(app)
+    _document_real_errors(app, engine.engine.runner.model.config["vocab_size"])
 
     def authorize(request: Request) -> None:
         if api_key is not None and not bearer_matches(request.headers.get("authorization"), api_key):
@@ -65,8 +65,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     return app
 
 
-def _document_real_errors(app: FastAPI) -> None:
-    """The published schema without FastAPI's 422 (the server answers 400 in OpenAI's shape instead)."""
+def _document_real_errors(app: FastAPI, vocab_size: int) -> None:
+    """The published schema without FastAPI's 422 (the server answers 400 in OpenAI's shape instead), and with
+    this model's token-id bound on prompts given as ids."""
     generate = app.openapi
 
     def openapi() -> dict:
@@ -78,8 +79,21 @@ def _document_real_errors(app: FastAPI) -> None:
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
             _exact_integer_bounds(schema)
+            _token_id_bound(schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"], vocab_size)
         return app.openapi_schema
     app.openapi = openapi
+
+
+def _token_id_bound(node, vocab_size: int) -> None:
+    """Every integer in the prompt's schema is a token id: below vocab_size."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node["maximum"] = vocab_size - 1
+        for value in node.values():
+            _token_id_bound(value, vocab_size)
+    elif isinstance(node, list):
+        for value in node:
+            _token_id_bound(value, vocab_size)
 
 
 def _exact_integer_bounds(node) -> None:
@@ -214,13 +228,15 @@ class OpenAIServer:
         except PromptError as e:
             raise APIError(400, str(e), param=e.param, code=e.code) from e
 
-    async def _submit(self, prefix: str, prompts: list, params, stream: bool) -> tuple[str, list]:
-        """Adds one engine request per (token ids, text or None); returns (response id, [stream]). Bad prompts: 400,
-        nothing left. stream=False: each request's stream yields its final output only."""
+    async def _submit(self, prefix: str, prompts: list, copies: list, stream: bool) -> tuple[str, list]:
+        """Adds one engine request per (token ids, text or None) and choice (`copies`: each choice's params, n of
+        them); returns (response id, [stream]) in choice-index order (prompt-major). Bad prompts: 400, nothing left.
+        stream=False: each request's stream yields its final output only."""
         rid = self.engine.new_request_id(prefix)
         streams = []
         try:
-            for i, (ids, text) in enumerate(prompts):
+            requests = [(ids, text, params) for ids, text in prompts for params in copies]
+            for i, (ids, text, params) in enumerate(requests):
                 outputs = await self.engine.add(f"{rid}-{i}", ids, params, stream, prompt_text=text)
                 streams.append(self.engine.stream(f"{rid}-{i}", outputs))
         except ValueError as e:
@@ -266,8 +282,9 @@ class OpenAIServer:
         return StreamingResponse(body(), media_type="text/event-stream")
 
     @staticmethod
-    def _usage(outs: list[RequestOutput]) -> dict:
-        prompt = sum(len(o.prompt_token_ids) for o in outs)
+    def _usage(outs: list[RequestOutput], n: int = 1) -> dict:
+        """Token counts; the n choices of one prompt count its tokens once (as OpenAI does)."""
+        prompt = sum(len(o.prompt_token_ids) for o in outs[::n])
         completion = sum(len(o.outputs[0].token_ids) for o in outs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -279,7 +296,7 @@ class OpenAIServer:
         params = await self._constrain(params, structured_output.response_format_spec(req.response_format),
                                        "response_format")
         prompts = await self._prepared(self.inputs.completion, req.prompts())
-        rid, streams = await self._submit("cmpl", prompts, params, req.stream)
+        rid, streams = await self._submit("cmpl", prompts, req.copies(params), req.stream)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
             return self._stream(self._completion_events(req, head, streams))
@@ -288,7 +305,7 @@ class OpenAIServer:
         except EngineDeadError as e:
             raise APIError(500, str(e), "server_error") from e
         choices = [self._completion_choice(i, o, req) for i, o in enumerate(finals)]
-        return head | {"choices": choices, "usage": self._usage(finals)}
+        return head | {"choices": choices, "usage": self._usage(finals, req.n)}
 
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
@@ -329,7 +346,7 @@ class OpenAIServer:
             choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.outputs[0].finish_reason}
             yield head | {"choices": [choice]}
         if req.stream_options and req.stream_options.include_usage:
-            yield head | {"choices": [], "usage": self._usage(finals)}
+            yield head | {"choices": [], "usage": self._usage(finals, req.n)}
 
     # ---- /v1/chat/completions
     async def chat(self, req: ChatRequest, request: Request):
@@ -339,23 +356,25 @@ class OpenAIServer:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         params, tool_spec = await self._chat_structure(req, params, messages)
         ids = await self._prepared(self.inputs.chat, messages)
-        rid, streams = await self._submit("chatcmpl", [(ids, None)], params, req.stream)
+        rid, streams = await self._submit("chatcmpl", [(ids, None)], req.copies(params), req.stream)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name}
         if req.stream:
-            return self._stream(self._chat_events(req, head | {"object": "chat.completion.chunk"}, streams[0],
+            return self._stream(self._chat_events(req, head | {"object": "chat.completion.chunk"}, streams,
                                                   tool_spec))
         try:
-            (out,) = await self._finals(streams, request)
+            finals = await self._finals(streams, request)
         except EngineDeadError as e:
             raise APIError(500, str(e), "server_error") from e
-        c = out.outputs[0]
+        choices = [self._chat_choice(i, out.outputs[0], req, tool_spec) for i, out in enumerate(finals)]
+        return head | {"choices": choices, "usage": self._usage(finals, req.n)}
+
+    def _chat_choice(self, i: int, c, req: ChatRequest, tool_spec) -> dict:
         message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
         if tool_spec is not None:
             message, reason = self._tool_message(c.text, c.finish_reason, tool_spec)
-        choice = {"index": 0, "message": message,
-                  "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if req.logprobs else None,
-                  "finish_reason": reason}
-        return head | {"choices": [choice], "usage": self._usage([out])}
+        return {"index": i, "message": message,
+                "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if req.logprobs else None,
+                "finish_reason": reason}
 
     async def _chat_structure(self, req: ChatRequest, params, messages: list[dict]):
         """response_format or tools -> (params with their grammar, the spec when the output holds tool calls);
@@ -396,25 +415,27 @@ class OpenAIServer:
         return {"content": [item(i, e[0]) | {"top_logprobs": [item(t, lp) for t, lp in e[1]]}
                             for i, e in zip(ids, entries)]}
 
-    async def _chat_events(self, req: ChatRequest, head: dict, stream, tool_spec=None):
-        """SSE chunks; with tool calls possible (tool_spec) the text is held back and sent parsed in the last chunk."""
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        yield head | {"choices": [first]}
-        final, held = None, []
-        async for _, out in _merge([stream]):
+    async def _chat_events(self, req: ChatRequest, head: dict, streams: list, tool_spec=None):
+        """SSE chunks of the n choices as they come; with tool calls possible (tool_spec) each choice's text is held
+        back and sent parsed in its last chunk."""
+        for i in range(len(streams)):
+            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield head | {"choices": [first]}
+        finals, held = [None] * len(streams), [[] for _ in streams]
+        async for i, out in _merge(streams):
             reason = out.outputs[0].finish_reason
             delta = {"content": out.delta_text} if out.delta_text else {}
             if tool_spec is not None:
-                held.append(out.delta_text)
+                held[i].append(out.delta_text)
                 delta = {}
                 if reason:
-                    message, reason = self._tool_message("".join(held), reason, tool_spec)
+                    message, reason = self._tool_message("".join(held[i]), reason, tool_spec)
                     delta = {k: v for k, v in message.items() if k != "role" and v is not None}
-                    for i, call in enumerate(delta.get("tool_calls", [])):
-                        call["index"] = i
+                    for k, call in enumerate(delta.get("tool_calls", [])):
+                        call["index"] = k
             logprobs = self._chat_logprobs(out.delta_token_ids, out.delta_logprobs) if req.logprobs else None
             if delta or reason:
-                yield head | {"choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
-            final = out
+                yield head | {"choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
+            finals[i] = out
         if req.stream_options and req.stream_options.include_usage:
-            yield head | {"choices": [], "usage": self._usage([final])}
+            yield head | {"choices": [], "usage": self._usage(finals, req.n)}

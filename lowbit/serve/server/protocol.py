@@ -1,4 +1,5 @@
 """OpenAI request bodies (pydantic, shipped with FastAPI) and their mapping onto SamplingParams."""
+import dataclasses
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -42,6 +43,7 @@ def _valid_unicode(s: str) -> str:
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 StopText = Annotated[str, Field(max_length=1024), AfterValidator(_valid_unicode)]
+TokenId = Annotated[int, Field(ge=0)]  # below the model's vocabulary size: the served schema states it (api.py)
 MAX_PROMPTS = 1024  # prompts in one completion request
 MAX_STOP = 16  # stop strings per request
 
@@ -75,11 +77,17 @@ class _Common(BaseModel):
 
     def check_unsupported(self) -> None:
         """Refuse, rather than ignore, what the engine does not do."""
-        if self.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
         for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported", param=name)
+
+    def copies(self, params: SamplingParams) -> list[SamplingParams]:
+        """The n choices' parameters: with a seed, choice j samples with seed + j (wrapped into the seed's range), so
+        the choices differ and each stays reproducible; choice 0 is what n=1 gives."""
+        if self.seed is None:
+            return [params] * self.n
+        seeds = [self.seed + j - (1 << 64 if self.seed + j >= 1 << 64 else 0) for j in range(self.n)]
+        return [dataclasses.replace(params, seed=s) for s in seeds]
 
     def sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
                  ) -> SamplingParams:
@@ -95,7 +103,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     # the schema states the non-empty rule that prompts() and the engine enforce (with their own 400 messages)
-    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(json_schema_extra={"minLength": 1, "minItems": 1})
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] = Field(json_schema_extra={"minLength": 1, "minItems": 1})
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -108,8 +116,8 @@ class CompletionRequest(_Common):
             return [p]
         if not p:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        if len(p) > MAX_PROMPTS:
-            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+        if len(p) * self.n > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} choices (prompts times n) per request", param="prompt")
         return list(p)
 
     def params(self) -> SamplingParams:
