@@ -6,8 +6,13 @@ modules are imported only when their subcommand runs, so `lowbit models` never i
 import argparse
 import importlib
 import sys
+import traceback
 
 from lowbit.errors import UserError
+
+# Exit codes every subcommand shares (a command may add its own below 2, as `eval` does with 1 = gate failed).
+EXIT_USAGE = 2  # bad input: one line on stderr
+EXIT_INTERNAL = 3  # a failure inside lowbit: its traceback, then one line
 
 SUBCOMMANDS = {
     "quantize": ("lowbit.quantize.cli", "calibrate a model with a recipe and write a quantized checkpoint"),
@@ -49,10 +54,14 @@ def _run(parser: argparse.ArgumentParser, argv) -> int:
         return _module(args.command).run(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 -- reported in full, with a code a CI job can tell from "gate failed"
+        traceback.print_exc()
+        print(f"internal error: {type(e).__name__}: {e} (exit {EXIT_INTERNAL})", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 def main(argv=None) -> int:

@@ -46,3 +46,24 @@ def test_argparse_errors_exit_2(capsys):
 def test_unknown_task_name_exit_2(capsys, embedded_model_dir):
     assert main(["eval", "smollm2-135m", "--tasks", "arc_easy,no_such_task"]) == 2  # reads lm-eval's index (~20 s)
     assert "unknown task(s) no_such_task" in capsys.readouterr().err
+
+
+def test_an_internal_failure_exits_3_not_1(tmp_path, capsys, monkeypatch, embedded_model_dir):
+    """A crash inside the evaluation (here: the in-process scorer raising) is not "gate failed": exit 3, the
+    traceback, then one line naming the error."""
+    from lowbit.evaluate import runner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("scorer exploded")
+
+    monkeypatch.setattr(runner, "evaluate", broken)
+    assert main(["eval", "smollm2-135m", "--tasks", "ppl", "--no-cache"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "internal error: RuntimeError: scorer exploded (exit 3)"
+    assert any(line.startswith("Traceback") for line in err)
+
+
+def test_a_directory_that_is_not_a_checkpoint_exits_2(tmp_path, capsys):
+    assert main(["eval", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err

@@ -18,7 +18,8 @@ tasks: arc_easy arc_challenge hellaswag piqa (lm-eval's prompts and metrics, shi
   (last-word accuracy), ppl (perplexity, KL and top-1 agreement with the baseline on held-out text), or any other
   lm-eval task name or task YAML path (needs that task's data).
 gate metrics: recovery (mean over tasks of candidate/baseline), TASK.recovery, ppl_ratio, kl, top1.
-exit codes: 0 passed (or no gate), 1 gate failed, 2 usage error.
+exit codes: 0 passed (or no gate), 1 gate failed, 2 usage or input error (one line), 3 internal error
+  (a traceback, then one line): a CI job can tell a bad checkpoint from a broken tool.
 """
 
 
