@@ -154,10 +154,29 @@ def test_tiny_model_outputs_follow_their_schemas_with_and_without_overlapped_ste
             (expected[rid].outputs[0].token_ids, expected[rid].outputs[0].finish_reason), rid
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_tiny_model_outputs_follow_their_schemas_on_the_gpu():
+    """The GPU defaults (Triton kernels, CUDA graphs, overlapped steps), the bitmask applied to device logits: every
+    constrained output validates, and the greedy ones equal the CPU engine's (float32 on both, tiny shapes)."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 17, 8, 30, 5, 11, 9)]
+    requests = structured_requests(prompts)
+    got = run(tiny_engine(device="cuda"), requests)
+    check_outputs(got, requests)
+    cpu = run(tiny_engine(), [r for r in requests if r[2].greedy and r[2].structured is not None])
+    agree = [got[rid].outputs[0].token_ids == out.outputs[0].token_ids for rid, out in cpu.items()]
+    assert sum(agree) >= len(agree) - 1, agree  # float32 GEMMs on two devices: at most one near tie flips
+
+
 @pytest.mark.slow
-def test_embedded_model_outputs_follow_their_schemas():
-    engine = Engine("smollm2-135m", EngineConfig(max_batch_size=16, num_kv_blocks=256, device="cpu",
-                                                 dtype="float32"))
+@pytest.mark.parametrize("device, dtype", [
+    ("cpu", "float32"),
+    pytest.param("cuda", "bfloat16", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")),
+])
+def test_embedded_model_outputs_follow_their_schemas(device, dtype):
+    """On the GPU: bf16 kernels, CUDA graphs and overlapped steps (its defaults) with the mask on the device."""
+    engine = Engine("smollm2-135m", EngineConfig(max_batch_size=16, num_kv_blocks=256, device=device,
+                                                 dtype=dtype))
     tok = engine.tokenizer
 
     def chat(text):
