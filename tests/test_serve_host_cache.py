@@ -139,3 +139,24 @@ def test_concurrent_shared_prefixes_with_preemption_equal_no_host_cache(overlap)
 def test_host_cache_size_too_small_for_a_block_is_refused_at_load():
     with pytest.raises(ValueError, match="host_cache_size 100 bytes holds no KV block"):
         tiny_engine(host_cache_size=100)
+
+
+def test_host_cache_size_from_the_command_line_and_config(tmp_path):
+    import argparse
+    import subprocess
+    import sys
+
+    from lowbit.serve.server import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.engine_config(parser.parse_args(["m", "--host-cache-size", "4GiB"])).host_cache_size == 4 << 30
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("host_cache_size: 512MiB\n")
+    assert cli.engine_config(parser.parse_args(["m", "--config", str(extra)])).host_cache_size == 512 << 20
+    assert EngineConfig(host_cache_size="1.5G").host_cache_size == 1_500_000_000
+    bad = subprocess.run([sys.executable, "-m", "lowbit.cli", "serve", "m", "--host-cache-size", "4XB"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == ["error: host_cache_size '4XB': expected bytes, e.g. 4GiB, 512MiB, "
+                                               "2G or 1000000"]

@@ -41,7 +41,7 @@ class ModelRunner:
         with stage("warm-up and KV cache" if self.device.type == "cuda" else "KV cache"):
             self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, config, self.kv_dtype, self.device)
         self.host_cache = None  # evicted prefix blocks in host memory (config.host_cache_size)
-        if config.host_cache_size:
+        if config.host_cache_size and config.enable_prefix_caching:  # it holds prefix-cache blocks only
             with stage("host KV cache"):
                 self.host_cache = HostCache.sized([m.kv_cache for m in self.attn_layers], config.host_cache_size)
         self.block_tables = BlockTables(config.max_batch_size, 64)
