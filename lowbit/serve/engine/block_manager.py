@@ -2,10 +2,14 @@
 
 A block is reusable once it is full AND its K/V are computed (`commit`). A freed block keeps its hash and stays
 findable until the free list hands it out again (least recently freed first), so a recomputed or repeated
-prefix finds it.
+prefix finds it. With a host pool (`host_blocks`), a hashed block the free list hands out again is first copied to
+the host (an offload move), and a prefix match continues past the device hits into the host pool: those blocks get
+fresh device blocks and are copied back (restore moves) instead of recomputed. `take_moves` hands a step's moves to
+the runner, which applies them before the step's forward.
 """
 from collections import OrderedDict
 
+from lowbit.serve.engine.host_pool import BlockMoves, HostPool
 from lowbit.serve.engine.sequence import Sequence
 
 
@@ -24,7 +28,8 @@ def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 host_blocks: int = 0):
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -33,6 +38,11 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.num_queried_tokens = 0  # prompt tokens looked up at admission (for the prefix hit rate)
         self.num_hit_tokens = 0
+        self.host = HostPool(host_blocks) if host_blocks and enable_prefix_caching else None
+        self.moves = BlockMoves()  # this step's copies to and from the host pool, for the runner
+        self.num_host_hit_tokens = 0
+        self.num_offloaded = 0  # blocks copied to the host pool
+        self.num_restored = 0  # blocks copied back from it
 
     @property
     def num_blocks(self) -> int:
@@ -54,6 +64,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block_id.get(block.hash) == block_id:
             del self.hash_to_block_id[block.hash]
+            if self.host is not None:
+                self._offload(block)
         block.hash, block.token_ids, block.ref_count = None, (), 1
         return block_id
 
@@ -78,7 +90,8 @@ class BlockManager:
         revived = sum(1 for b in matched if self.blocks[b].ref_count == 0)  # leave the free list when reused
         return needed <= self.num_free_blocks - revived
 
-    def allocate(self, seq: Sequence, matched: list[int], num_new_tokens: int) -> None:
+    def allocate(self, seq: Sequence, matched: list[int], num_new_tokens: int, restored: list[int] = ()) -> None:
+        """restored: `match_host`'s hashes, continuing matched (num_new_tokens excludes their tokens)."""
         assert not seq.block_table
         for block_id in matched:
             block = self.blocks[block_id]
@@ -86,8 +99,9 @@ class BlockManager:
                 del self.free_block_ids[block_id]
             block.ref_count += 1
         seq.block_table = list(matched)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(matched) * self.block_size
-        seq.num_hashed_blocks = len(matched)
+        self._restore(seq, restored)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        seq.num_hashed_blocks = len(seq.block_table)
         self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += seq.num_cached_tokens
         self.append(seq, num_new_tokens)
@@ -128,3 +142,49 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = 0
+
+    # ---- the host pool (host_blocks > 0): offload on eviction, restore on a match
+    def match_host(self, seq: Sequence, matched: list[int]) -> list[int]:
+        """Hashes of the blocks after `matched` found in the host pool, in order, up to the first miss; never the
+        block holding seq's last token."""
+        if self.host is None or seq.wants_prompt_logprobs:
+            return []
+        found = []
+        prev = self.blocks[matched[-1]].hash if matched else None
+        for i in range(len(matched), (seq.num_tokens - 1) // self.block_size):
+            tokens = seq.block(i, self.block_size)
+            prev = chain_hash(prev, tokens)
+            if self.host.lookup(prev, tokens) is None:
+                break
+            found.append(prev)
+        return found
+
+    def _restore(self, seq: Sequence, hashes: list[int]) -> None:
+        """Fresh device blocks for the host hits `hashes`, appended to seq's table, findable at once (the copy runs
+        before the step's forward); each one's restore move."""
+        slots = [self.host.pin(h) for h in hashes]  # before taking blocks: their offloads must not evict these
+        for h, slot in zip(hashes, slots):
+            block = self.blocks[self._take_free_block()]
+            block.hash, block.token_ids = h, self.host.entries[h][1]
+            self.hash_to_block_id.setdefault(h, block.block_id)
+            seq.block_table.append(block.block_id)
+            self.moves.restore.append((slot, block.block_id))
+        self.num_restored += len(hashes)
+        self.num_host_hit_tokens += len(hashes) * self.block_size
+
+    def _offload(self, block: Block) -> None:
+        slot = self.host.put(block.hash, block.token_ids)
+        if slot is not None:
+            self.moves.offload.append((block.block_id, slot))
+            self.num_offloaded += 1
+
+    def take_moves(self) -> BlockMoves | None:
+        """This step's moves (None: none), handed to the runner once per step after scheduling. An offload into a
+        slot that a later offload of the same step reuses is dropped."""
+        if self.host is None or not self.moves:
+            return None
+        moves, self.moves = self.moves, BlockMoves()
+        last = {slot: i for i, (_, slot) in enumerate(moves.offload)}
+        moves.offload = [m for i, m in enumerate(moves.offload) if last[m[1]] == i]
+        self.host.unpin_all()
+        return moves

@@ -1,4 +1,5 @@
 """Engine settings: a few knobs, with the defaults a user gets from `lowbit serve NAME`."""
+import re
 from dataclasses import dataclass, fields
 
 
@@ -17,6 +18,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     seed: int = 0  # seeds requests that give no seed of their own
     overlap_steps: bool | None = None  # host prepares step n+1 while the device runs step n (default: on GPU)
+    host_cache_size: int | str = 0  # bytes of host memory for evicted prefix blocks (0: off); "4GiB" works too
 
     def __post_init__(self):
         positive = ["max_batch_size", "max_num_tokens", "block_size"]
@@ -28,6 +30,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not (isinstance(value, bool) or value is None and name == "overlap_steps"):
                 raise ValueError(f"{name} must be true or false, got {value!r}")
+        self.host_cache_size = parse_bytes("host_cache_size", self.host_cache_size)
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
 
@@ -38,3 +41,22 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine settings {unknown}; known: {sorted(known)}")
         return cls(**values)
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(name: str, value) -> int:
+    """A byte count from an int or a string such as '4GiB', '512MiB', '2G' (decimal: k, M, G, T; binary: KiB ...)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{name} must be a number of bytes (e.g. 4GiB), got {value!r}")
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        unit = m.group(2).lower() if m else None
+        if unit not in _BYTE_UNITS:
+            raise ValueError(f"{name} {value!r}: expected bytes, e.g. 4GiB, 512MiB, 2G or 1000000")
+        value = int(float(m.group(1)) * _BYTE_UNITS[unit])
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value

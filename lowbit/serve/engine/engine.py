@@ -93,7 +93,7 @@ class Engine:
         self.runner = ModelRunner(ckpt, self.config)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(self.path)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
+                                          self.config.enable_prefix_caching, self.runner.num_host_blocks)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_num_tokens)
         limits = [ckpt.config.get("max_position_embeddings", 4096), self.runner.num_blocks * self.config.block_size]
         self.max_model_len = min(limits + ([self.config.max_model_len] if self.config.max_model_len else []))
@@ -177,6 +177,7 @@ class Engine:
         step is only launched, and the outputs are those of the previous step, whose tokens the device has sampled
         meanwhile: the host schedules and prepares step n+1 while the device computes step n."""
         batch = self.scheduler.schedule()
+        self.runner.move_blocks(self.block_manager.take_moves())  # host-pool copies, before any forward reads them
         if batch is not None and (not self.overlap or self._scores_prompt(batch) or self._is_constrained(batch)):
             outputs = self._resolve()  # the in-flight tokens may finish sequences of this batch
             batch = _without_finished(batch)
@@ -375,7 +376,13 @@ class Engine:
                 "lowbit_kv_blocks_used": (bm.num_used_blocks, "KV cache blocks in use."),
                 "lowbit_kv_blocks_total": (bm.num_blocks, "KV cache blocks in the pool."),
                 "lowbit_prefix_cache_hit_rate": (hit_rate, "Prompt tokens found in the prefix cache / looked up."),
-                "lowbit_preemptions_total": (self.scheduler.num_preemptions, "Sequences preempted for recompute.")}
+                "lowbit_preemptions_total": (self.scheduler.num_preemptions, "Sequences preempted for recompute."),
+                "lowbit_host_cache_hit_tokens_total": (bm.num_host_hit_tokens, "Prompt tokens restored from the "
+                                                       "host KV cache instead of recomputed."),
+                "lowbit_host_cache_offloaded_blocks_total": (bm.num_offloaded, "KV blocks copied to the host cache."),
+                "lowbit_host_cache_restored_blocks_total": (bm.num_restored, "KV blocks copied back from it."),
+                "lowbit_host_cache_bytes_used": (bm.host.num_used * self.runner.host_cache.bytes_per_slot
+                                                 if bm.host else 0, "Host memory holding offloaded KV blocks.")}
 
 
 def _score_prompt_rows(logits: torch.Tensor, scored: list[tuple[Sequence, list[int], list[int]]]) -> None:

@@ -53,10 +53,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size and not preempted:
             seq = self.waiting[0]
             matched = self.block_manager.match_prefix(seq)
-            n = min(seq.num_tokens - len(matched) * self.block_manager.block_size, budget)
-            if not self.block_manager.can_allocate(seq, matched, n):
+            restored = self.block_manager.match_host(seq, matched)  # host-pool blocks copied back, not recomputed
+            num_cached = (len(matched) + len(restored)) * self.block_manager.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            if not self.block_manager.can_allocate(seq, matched, len(restored) * self.block_manager.block_size + n):
                 break
-            self.block_manager.allocate(seq, matched, n)
+            self.block_manager.allocate(seq, matched, n, restored)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

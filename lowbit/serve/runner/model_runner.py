@@ -12,8 +12,10 @@ from lowbit.serve.layers.attention import Attention
 from lowbit.serve.engine.config import EngineConfig
 from lowbit.serve.runner.block_tables import TABLE_WIDTH_MULTIPLE, BlockTables
 from lowbit.serve.runner.context import StepContext
+from lowbit.serve.runner.host_cache import HostCache
 from lowbit.serve.runner.kv_cache import allocate_kv_cache
 from lowbit.serve.runner.loader import load_model, model_dtype
+from lowbit.serve.engine.host_pool import BlockMoves
 from lowbit.serve.engine.scheduler import Batch
 
 _TORCH = {np.int64: torch.int64, np.int32: torch.int32}  # upload's dtypes
@@ -38,6 +40,10 @@ class ModelRunner:
                              f"block by block)")
         with stage("warm-up and KV cache" if self.device.type == "cuda" else "KV cache"):
             self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, config, self.kv_dtype, self.device)
+        self.host_cache = None  # evicted prefix blocks in host memory (config.host_cache_size)
+        if config.host_cache_size and config.enable_prefix_caching:  # it holds prefix-cache blocks only
+            with stage("host KV cache"):
+                self.host_cache = HostCache.sized([m.kv_cache for m in self.attn_layers], config.host_cache_size)
         self.block_tables = BlockTables(config.max_batch_size, 64)
         self.graphs = None
         if gpu_attention and config.cuda_graphs:
@@ -56,6 +62,15 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.config.max_batch_size, width, num_kv_heads, self.device)
         graphs.capture()
         return graphs
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_cache.num_slots if self.host_cache is not None else 0
+
+    def move_blocks(self, moves: "BlockMoves | None") -> None:
+        """Copies a step's blocks to and from the host pool, queued before the step's forward."""
+        if moves:
+            self.host_cache.apply(moves)
 
     def host_inputs(self, batch: Batch, logit_rows: list[list[int]], pending: "PendingTokens | None" = None
                     ) -> "HostInputs":

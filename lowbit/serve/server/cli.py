@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-tokens", type=int, help="tokens computed per step (default 2048)")
     parser.add_argument("--kv-cache-fraction", type=float,
                         help="share of free GPU memory (default 0.9) or available RAM on CPU (default 0.05) for KV")
+    parser.add_argument("--host-cache-size", metavar="BYTES",
+                        help="host memory for KV blocks evicted from the prefix cache, e.g. 16GiB (default 0: off)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (visible in the "
                         "process list: prefer --api-key-file or $LOWBIT_API_KEY)")
     parser.add_argument("--api-key-file", type=Path, metavar="PATH", help="read the key from the first line of PATH")
