@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from lowbit import formats
 from lowbit.bench_cli import int_list
-from lowbit.kernels import silu_and_mul_ref
+from lowbit.kernels import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from lowbit.kernels.linear.act_quant import act_quant_ref
 from lowbit.kernels.ops.norm import quantize_fp8_ref
 from lowbit.serve.layers import attention as attn_mod
@@ -226,7 +226,8 @@ def int8_linear_fp32(x, p, bias, out_dtype):
 STATIC_W8A8_FORMATS = {formats.FP8: fp8_linear_fp32, formats.W8A8_SQ_PER_CHANNEL: int8_linear_fp32}
 
 
-LAYER_OPS = ("dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul")  # the kernel ops layers call
+# the kernel ops layers call
+LAYER_OPS = ("dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul", "gelu_tanh_and_mul")
 
 
 def dense_linear_fp32(x, weight, bias=None, silu_mul=False):
@@ -257,6 +258,7 @@ def reference_path(engine, reader_rounding: bool = False):
     backend, graphs = attn_mod._backend, engine.runner.graphs
     layers_mod.dense_linear, layers_mod.quant_linear, layers_mod.rms_norm = dense_linear_fp32, ref_linear, rms_norm_ref
     layers_mod.rotary, layers_mod.silu_and_mul = rotary_ref, silu_and_mul_ref  # rotary_store_kv: the backend's
+    layers_mod.gelu_tanh_and_mul = gelu_tanh_and_mul_ref
     attn_mod.set_attention_backend(attn_mod.TorchAttentionBackend() if reader_rounding else Fp32KvAttention())
     engine.runner.graphs = None
     try:

@@ -52,28 +52,29 @@ class SelfAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x)), with gate/up merged into one GEMM (gate_up_proj).
+    """down_proj(act(gate_proj(x)) * up_proj(x)), with gate/up merged into one GEMM (gate_up_proj); act: SiLU unless
+    given (a gated activation module of layers.activation, e.g. GeluTanhAndMul).
 
     The SiLU-and-multiply applies gate_up_proj's deferred FP8 part_scales (up's ratio) and, when down_proj is static
     FP8, writes down_proj's float8_e4m3fn input; with neither, the merged layer runs it in its own epilogue.
     """
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, act: nn.Module | None = None):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], bias, ["gate_proj", "up_proj"],
                                          defer_part_scales=True)
         self.down_proj = Linear(intermediate, hidden, bias)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul() if act is None else act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (float8_e4m3fn when gate_up_proj takes static FP8 input) -> [T, hidden]."""
         return self.down_proj(self.gate_up_act(x))
 
     def gate_up_act(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> silu(gate) * up [T, intermediate], as down_proj takes its input."""
+        """x [T, hidden] -> act(gate) * up [T, intermediate], as down_proj takes its input."""
         gate_up, quant_scale = self.gate_up_proj, self.down_proj.fp8_input_scale
         part_scales = gate_up.part_scales
-        if gate_up.parts is None and part_scales is None and quant_scale is None:
+        if gate_up.parts is None and part_scales is None and quant_scale is None and self.act.gemv_epilogue:
             return gate_up.merged(x, silu_mul=True)  # unquantized at one row on the GPU: SiLU in the GEMV's epilogue
         up_scale = None if part_scales is None else part_scales[1]
         return self.act(gate_up(x), quant_scale, up_scale)
