@@ -67,6 +67,7 @@ def load_reference_model(path, dtype=torch.float32):
     model.load_state_dict(floats, strict=False, assign=True)
     model.tie_weights()
     _rebuild_rotary(model)
+    _recreate_non_persistent_buffers(model)
     if ckpt.kv_format is not None:
         _attach_kv_scales(model, tensors, ckpt.kv_format)
     _check_materialized(model, path)
@@ -114,6 +115,24 @@ def _rebuild_rotary(model: nn.Module) -> None:
         if name.endswith("rotary_emb"):
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, type(module)(config=model.config))
+
+
+def _recreate_non_persistent_buffers(model: nn.Module) -> None:
+    """Non-persistent buffers still on the meta device (computed at init, never in a checkpoint: Gemma's embed_scale)
+    are made as the model's own code makes them: allocated on the CPU, then filled by its `_init_weights` through
+    transformers' initialize_weights, which leaves every tensor flagged `_is_hf_initialized` (all loaded ones) as is."""
+    meta = [name for name, b in model.named_non_persistent_buffers() if b.device.type == "meta"]
+    if not meta:
+        return
+    for t in list(model.parameters()) + list(model.buffers()):
+        t._is_hf_initialized = t.device.type != "meta"
+    for module in model.modules():  # from_config marked every module initialized (on the meta device)
+        module._is_hf_initialized = False
+    for name in meta:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        parent._buffers[child] = torch.empty_like(parent._buffers[child], device="cpu")
+    model.initialize_weights()
 
 
 def _check_materialized(model: nn.Module, path) -> None:
