@@ -35,7 +35,24 @@ def _quant_kv_attention(module, query, key, value, attention_mask, **kwargs):
 
     key = module.kv_format.fake_quant(key, module.k_scale).to(query.dtype)
     value = module.kv_format.fake_quant(value, module.v_scale).to(query.dtype)
+    if kwargs.get("softcap") is not None:  # SDPA has no soft-capping (Gemma 2)
+        return _softcap_attention(query, key, value, attention_mask, kwargs["scaling"], kwargs["softcap"])
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+
+def _softcap_attention(query, key, value, mask, scaling, softcap):
+    """transformers' eager attention with soft-capping: query [B, Hq, M, D], key / value [B, Hk, N, D], mask: SDPA's
+    boolean mask [B, 1, M, N] (True: attend) or None (causal) -> ([B, M, Hq, D], None)."""
+    g = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+    scores = query @ key.transpose(2, 3) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:  # SDPA's mask functions return None where is_causal would do: the M queries end the N keys
+        m, n = scores.shape[-2:]
+        mask = torch.ones(m, n, dtype=torch.bool, device=scores.device).tril(n - m)
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return (probs @ value).transpose(1, 2).contiguous(), None
 
 
 def _register_kv_attention() -> None:
