@@ -27,13 +27,13 @@ import torch.nn.functional as F
 
 from lowbit import formats
 from lowbit.bench_cli import int_list
-from lowbit.kernels import silu_and_mul_ref
+from lowbit.kernels import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from lowbit.kernels.linear.act_quant import act_quant_ref
 from lowbit.kernels.ops.norm import quantize_fp8_ref
 from lowbit.serve.layers import attention as attn_mod
 from lowbit.serve.layers import ops as layers_mod
 from lowbit.serve.engine.config import EngineConfig
-from lowbit.testing.dummy_weights import FORMATS, LLAMA_3_1_8B, dummy_checkpoint
+from lowbit.testing.dummy_weights import FORMATS, LLAMA_3_1_8B, PRESETS, dummy_checkpoint
 from lowbit.serve.engine.engine import Engine
 from lowbit.serve.engine.sampling_params import SamplingParams
 
@@ -70,18 +70,25 @@ def parse(argv):
     p.add_argument("--check-layers", type=int, default=2)
     p.add_argument("--extra", default="1000/1000/768,2048/128/512", help="ISL/OSL/N for FP8 maximum load")
     p.add_argument("--tiny", action="store_true", help="a tiny fp32 config (CPU smoke test)")
+    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS), help="the dummy model's shapes")
     p.add_argument("--device", default="cuda")
     p.add_argument("--deadline-s", type=float, default=1e9)
     p.add_argument("--json")
     p.add_argument("--markdown")
     args = p.parse_args(argv)
     args.latency_isls = int_list(p, "--latency-isl", args.latency_isl)
+    if args.model != "llama-3.1-8b" and "hf" in args.phases.split(","):
+        p.error(f"the hf phase builds transformers' Llama only; leave it out of --phases for --model {args.model}")
     return args
 
 
 # ---- engines
 def model_config(args, layers=None):
-    c = dict(TINY if args.tiny else LLAMA_3_1_8B)
+    c = dict(PRESETS[args.model])
+    if args.tiny:  # TINY's sizes on the chosen family
+        c.update({k: TINY[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                       "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+                                       "dtype")})
     if layers:
         c["num_hidden_layers"] = layers
     return c
@@ -226,7 +233,8 @@ def int8_linear_fp32(x, p, bias, out_dtype):
 STATIC_W8A8_FORMATS = {formats.FP8: fp8_linear_fp32, formats.W8A8_SQ_PER_CHANNEL: int8_linear_fp32}
 
 
-LAYER_OPS = ("dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul")  # the kernel ops layers call
+# the kernel ops layers call
+LAYER_OPS = ("dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul", "gelu_tanh_and_mul")
 
 
 def dense_linear_fp32(x, weight, bias=None, silu_mul=False):
@@ -257,6 +265,7 @@ def reference_path(engine, reader_rounding: bool = False):
     backend, graphs = attn_mod._backend, engine.runner.graphs
     layers_mod.dense_linear, layers_mod.quant_linear, layers_mod.rms_norm = dense_linear_fp32, ref_linear, rms_norm_ref
     layers_mod.rotary, layers_mod.silu_and_mul = rotary_ref, silu_and_mul_ref  # rotary_store_kv: the backend's
+    layers_mod.gelu_tanh_and_mul = gelu_tanh_and_mul_ref
     attn_mod.set_attention_backend(attn_mod.TorchAttentionBackend() if reader_rounding else Fp32KvAttention())
     engine.runner.graphs = None
     try:

@@ -35,7 +35,24 @@ def _quant_kv_attention(module, query, key, value, attention_mask, **kwargs):
 
     key = module.kv_format.fake_quant(key, module.k_scale).to(query.dtype)
     value = module.kv_format.fake_quant(value, module.v_scale).to(query.dtype)
+    if kwargs.get("softcap") is not None:  # SDPA has no soft-capping (Gemma 2)
+        return _softcap_attention(query, key, value, attention_mask, kwargs["scaling"], kwargs["softcap"])
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+
+def _softcap_attention(query, key, value, mask, scaling, softcap):
+    """transformers' eager attention with soft-capping: query [B, Hq, M, D], key / value [B, Hk, N, D], mask: SDPA's
+    boolean mask [B, 1, M, N] (True: attend) or None (causal) -> ([B, M, Hq, D], None)."""
+    g = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+    scores = query @ key.transpose(2, 3) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:  # SDPA's mask functions return None where is_causal would do: the M queries end the N keys
+        m, n = scores.shape[-2:]
+        mask = torch.ones(m, n, dtype=torch.bool, device=scores.device).tril(n - m)
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return (probs @ value).transpose(1, 2).contiguous(), None
 
 
 def _register_kv_attention() -> None:
@@ -67,6 +84,7 @@ def load_reference_model(path, dtype=torch.float32):
     model.load_state_dict(floats, strict=False, assign=True)
     model.tie_weights()
     _rebuild_rotary(model)
+    _recreate_non_persistent_buffers(model)
     if ckpt.kv_format is not None:
         _attach_kv_scales(model, tensors, ckpt.kv_format)
     _check_materialized(model, path)
@@ -114,6 +132,24 @@ def _rebuild_rotary(model: nn.Module) -> None:
         if name.endswith("rotary_emb"):
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, type(module)(config=model.config))
+
+
+def _recreate_non_persistent_buffers(model: nn.Module) -> None:
+    """Non-persistent buffers still on the meta device (computed at init, never in a checkpoint: Gemma's embed_scale)
+    are made as the model's own code makes them: allocated on the CPU, then filled by its `_init_weights` through
+    transformers' initialize_weights, which leaves every tensor flagged `_is_hf_initialized` (all loaded ones) as is."""
+    meta = [name for name, b in model.named_non_persistent_buffers() if b.device.type == "meta"]
+    if not meta:
+        return
+    for t in list(model.parameters()) + list(model.buffers()):
+        t._is_hf_initialized = t.device.type != "meta"
+    for module in model.modules():  # from_config marked every module initialized (on the meta device)
+        module._is_hf_initialized = False
+    for name in meta:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        parent._buffers[child] = torch.empty_like(parent._buffers[child], device="cpu")
+    model.initialize_weights()
 
 
 def _check_materialized(model: nn.Module, path) -> None:

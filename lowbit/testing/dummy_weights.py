@@ -22,6 +22,23 @@ LLAMA_3_1_8B = {
                      "original_max_position_embeddings": 8192},
     "tie_word_embeddings": False, "dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
 }
+GEMMA_3_12B = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 3840, "intermediate_size": 15360,
+    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+    "vocab_size": 262208, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+    "sliding_window": 1024, "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh",
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "tie_word_embeddings": True,
+    "dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1,
+}
+PRESETS = {"llama-3.1-8b": LLAMA_3_1_8B, "gemma-3-12b": GEMMA_3_12B}  # real models' shapes, by name
+# per-layer norms beyond input_layernorm / post_attention_layernorm, by architecture
+EXTRA_NORMS = {
+    "Gemma2ForCausalLM": ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "Gemma3ForCausalLM": ("pre_feedforward_layernorm", "post_feedforward_layernorm", "self_attn.q_norm",
+                          "self_attn.k_norm"),
+}
 FORMATS = {  # name -> (quant_algo of the linears, kv_cache_quant_algo)
     "bf16": (None, None), "fp8": (formats.FP8.name, formats.KV_FP8.name), "int4_awq": (formats.W4A16_AWQ.name, None),
     "nvfp4": (formats.NVFP4.name, None), "w8a8_sq": (formats.W8A8_SQ_PER_CHANNEL.name, None),
@@ -85,7 +102,8 @@ class LazyTensors(Mapping):
         c, dev = self.ckpt.config, self.ckpt.device
         g = self._generator(module)
         if module.endswith(("norm", "layernorm")):
-            return {"weight": 1 + 0.1 * torch.randn(c["hidden_size"], generator=g, device=dev)}
+            dim = c["head_dim"] if module.endswith(("q_norm", "k_norm")) else c["hidden_size"]
+            return {"weight": 1 + 0.1 * torch.randn(dim, generator=g, device=dev)}
         if module == "model.embed_tokens":
             return {"weight": torch.randn(c["vocab_size"], c["hidden_size"], generator=g, device=dev)}
         out_f, in_f = _linear_shape(c, module)
@@ -116,6 +134,7 @@ def _tensor_names(ckpt: DummyCheckpoint) -> set[str]:
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        names |= {p + n + ".weight" for n in EXTRA_NORMS.get(c["architectures"][0], ())}
         names |= {p + m + "." + s for m in LINEARS for s in suffixes}
         if ckpt.kv_format is not None:
             names |= {f"{p}self_attn.{name}" for name in ckpt.kv_format.scale_names().values()}

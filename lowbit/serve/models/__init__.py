@@ -1,4 +1,5 @@
 """Model families by HF architecture name."""
+from lowbit.serve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from lowbit.serve.models.llama import LlamaForCausalLM
 from lowbit.serve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -6,6 +7,8 @@ ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
