@@ -89,18 +89,19 @@ def sass_counts(sass: str) -> dict:
 def decode(v: pa.DecodeVariant) -> dict:
     types = dict(q_ptr="*bf16", kv_ptr="*fp8e4nv", bt_ptr="*i32", ctx_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32",
                  os_ptr="*bf16", out_ptr="*bf16", part_ptr="*bf16", lse_ptr="*bf16", qk_scale="fp32",
-                 bt_stride="i32", half_stride="i32", num_splits="i32")
+                 bt_stride="i32", half_stride="i32", num_splits="i32", window="i32", softcap="fp32")
     constants = dict(HQ=HQ, HKD=HK * D, G=HQ // HK, GP=16, D=D, BS=BS, BLOCK_N=v.block_n, FP8=True, DIRECT=True,
-                     QUANT_OUT=False, BLOCKS=v.blocks)
+                     QUANT_OUT=False, BLOCKS=v.blocks, WINDOW=False, SOFTCAP=False)
     return compile_kernel(pa._decode_kernel.fn, types, constants, v.warps, v.stages, v.maxnreg)
 
 
 def prefill(t: pp.PrefillTiles) -> dict:
     types = dict(q_ptr="*bf16", kv_ptr="*fp8e4nv", bt_ptr="*i32", qsl_ptr="*i32", ctx_ptr="*i32", ks_ptr="*fp32",
                  vs_ptr="*fp32", os_ptr="*bf16", out_ptr="*bf16", qk_scale="fp32", bt_stride="i32",
-                 half_stride="i32")
+                 half_stride="i32", window="i32", softcap="fp32")
     constants = dict(HQ=HQ, HKD=HK * D, G=HQ // HK, GP=HQ // HK, D=D, BS=BS, BLOCK_T=t.block_t, BLOCK_N=t.block_n,
-                     FP8=True, QUANT_OUT=False, BLOCKS=t.blocks, DOT_ACC=t.dot_acc, HEAVY_FIRST=t.heavy_first)
+                     FP8=True, QUANT_OUT=False, BLOCKS=t.blocks, DOT_ACC=t.dot_acc, HEAVY_FIRST=t.heavy_first,
+                     WINDOW=False, SOFTCAP=False)
     return compile_kernel(pp._prefill_kernel.fn, types, constants, t.warps, t.stages)
 
 

@@ -224,11 +224,14 @@ def _online_softmax(s, m, l):
 
 @helper
 def _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.constexpr, V_T: tl.constexpr,
-                  DOT_ACC: tl.constexpr = False):
+                  DOT_ACC: tl.constexpr = False, softcap=1.0, SOFTCAP: tl.constexpr = False):
     """q [M, D], k [N, D], v [N, D] (V_T: [D, N]), valid [M, N] (if MASKED) -> updated running max m [M], sum l [M],
     acc [M, D] (fp32). DOT_ACC: P.V accumulates inside the dot (acc * alpha is its accumulator) and acc leaves out
-    V's scale, for the caller to apply once at the end."""
+    V's scale, for the caller to apply once at the end. SOFTCAP: scores (log2 domain) become
+    softcap * tanh(scores / softcap), softcap = c * log2(e) for a cap c on the natural-log scores."""
     s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+    if SOFTCAP:
+        s = softcap * _tanh(s / softcap)
     if MASKED:
         s = tl.where(valid, s, float("-inf"))
     m, alpha, p, l = _online_softmax(s, m, l)
@@ -237,6 +240,21 @@ def _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, MASKED: tl.const
     else:
         acc = acc * alpha[:, None] + _pv(p.to(q.dtype), v.to(q.dtype), V_T) * v_scale
     return m, l, acc
+
+
+@helper
+def _tanh(x):
+    """tanh in fp32 from exp2 (no libdevice call, so the interpreter runs it): +-1 once exp2 saturates."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2.885... = 2 * log2(e)
+
+
+@helper
+def _window_start(ctx_len, window, WINDOW: tl.constexpr, BS: tl.constexpr):
+    """First key a decode query (at position ctx_len - 1) reads: 0, or with WINDOW the start of the cache block
+    holding position ctx_len - window (blocks wholly before it are never loaded)."""
+    if WINDOW:
+        return tl.maximum(ctx_len - window, 0) // BS * BS
+    return 0
 
 
 @helper
@@ -286,12 +304,15 @@ def _vt_blocks(v_ptr, blk, kvh, HKD: tl.constexpr, D: tl.constexpr, BS: tl.const
 
 @kernel
 def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_ptr, part_ptr, lse_ptr, qk_scale,
-                   bt_stride, half_stride, num_splits,
+                   bt_stride, half_stride, num_splits, window, softcap,
                    HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    BS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
-                   QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
+                   QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                   PDL: tl.constexpr):
     """Program (b, kv head, split): the G query heads of one KV head over one slice of the context (_chunk).
     BLOCKS: tiles gathered block by block (DecodeVariant.blocks), else row by row.
+    WINDOW: only keys from position ctx_len - window on are visible; the splits share the keys from the start of
+    that key's cache block (_window_start) to the end, so earlier blocks are never loaded. SOFTCAP: _softmax_step's.
     The context length, the first tile's block ids and the KV scales are loaded before the PDL wait: no kernel of a
     step writes them (they are uploaded before it), so under PDL these loads overlap the kernel before; q and the
     K / V rows (the new token's among them) wait. An idle split returns before it."""
@@ -299,13 +320,14 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(ctx_ptr + b)
+    lo = _window_start(ctx_len, window, WINDOW, BS)
     if DIRECT:  # one split
-        start = 0
+        start = lo
         end = ctx_len
     else:
-        chunk = _chunk(ctx_len, num_splits, BLOCK_N)
-        start = split * chunk
-        if split > 0 and start >= ctx_len:  # an idle split: the combine reads only the first cdiv(ctx_len, chunk)
+        chunk = _chunk(ctx_len - lo, num_splits, BLOCK_N)
+        start = lo + split * chunk
+        if split > 0 and start >= ctx_len:  # an idle split: the combine reads only the first cdiv(span, chunk)
             return
         end = tl.minimum(start + chunk, ctx_len)
     offs_g = tl.arange(0, GP)
@@ -331,15 +353,20 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
         for n0 in range(start, end, BLOCK_N):
             k, v = _kv_blocks(kv_ptr, blk, n0, last, kvh, half_stride, HKD, D, BS, NB, FP8)
             blk = _block_ids(bt_ptr, bt_row, n0 + BLOCK_N, last, BS, NB)  # loads during this tile's math
-            valid = (n0 + tl.arange(0, BLOCK_N) < end)[None, :]
-            m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale * k_scale, v_scale, True, FP8)
+            valid = n0 + tl.arange(0, BLOCK_N) < end
+            if WINDOW:  # the first block may start before the window
+                valid = valid & (n0 + tl.arange(0, BLOCK_N) >= ctx_len - window)
+            m, l, acc = _softmax_step(q, k, v, valid[None, :], m, l, acc, qk_scale * k_scale, v_scale, True, FP8,
+                                      False, softcap, SOFTCAP)
     else:
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
+            if WINDOW:  # rows before the window are not loaded
+                mask_n = mask_n & (offs_n >= ctx_len - window)
             k, v = _kv_tile(kv_ptr, bt_ptr, bt_row, offs_n, mask_n, kvh, offs_d, half_stride, HKD, D, BS)
             m, l, acc = _softmax_step(q, k, v, mask_n[None, :], m, l, acc, qk_scale * k_scale, v_scale,
-                                      True, False)  # bf16 KV only (FP8 needs BLOCKS: paged_decode)
+                                      True, False, False, softcap, SOFTCAP)  # bf16 KV only (FP8 needs BLOCKS)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     if DIRECT:
         tl.store(out_ptr + (b * HQ + heads)[:, None] * D + offs_d[None, :],
@@ -358,14 +385,17 @@ def _chunk(ctx_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @kernel
-def _combine_kernel(part_ptr, lse_ptr, ctx_ptr, os_ptr, out_ptr, num_splits, HQ: tl.constexpr,
+def _combine_kernel(part_ptr, lse_ptr, ctx_ptr, os_ptr, out_ptr, num_splits, window, HQ: tl.constexpr,
                     D: tl.constexpr, SP: tl.constexpr, BLOCK_N: tl.constexpr, COMBINE_ROWS: tl.constexpr,
-                    model_dtype: tl.constexpr, QUANT_OUT: tl.constexpr, PDL: tl.constexpr):
+                    model_dtype: tl.constexpr, QUANT_OUT: tl.constexpr, WINDOW: tl.constexpr, BS: tl.constexpr,
+                    PDL: tl.constexpr):
     """Program (b * HQ + h): merges the partial outputs of the splits that ran, by their log-sum-exp. The context
-    length is loaded before the PDL wait (as the decode kernel's), the partials after it."""
+    length is loaded before the PDL wait (as the decode kernel's), the partials after it. WINDOW, BS: the decode
+    kernel's (the splits shared the keys from _window_start on)."""
     row = tl.program_id(0).to(tl.int64)
     ctx_len = tl.load(ctx_ptr + row // HQ)
-    ran = tl.maximum(tl.cdiv(ctx_len, _chunk(ctx_len, num_splits, BLOCK_N)), 1)
+    span = ctx_len - _window_start(ctx_len, window, WINDOW, BS)
+    ran = tl.maximum(tl.cdiv(span, _chunk(span, num_splits, BLOCK_N)), 1)
     wait_for_producers(PDL)
     offs_s = tl.arange(0, SP)
     offs_d = tl.arange(0, D)
@@ -409,10 +439,12 @@ def block_gather_fits(block_n: int, block_size: int) -> bool:
 
 
 def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scale,
-                 num_splits: int | None = None, out_scale=None, variant: DecodeVariant | None = None) -> torch.Tensor:
+                 num_splits: int | None = None, out_scale=None, variant: DecodeVariant | None = None,
+                 sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
     """Triton: same contract as paged_decode_ref. No host sync (graph-capturable).
     num_splits: context splits launched (default decode_splits); a sequence uses those its context fills (_chunk).
-    variant: run this DecodeVariant instead of decode_variant's choice (benchmarks, tests)."""
+    variant: run this DecodeVariant instead of decode_variant's choice (benchmarks, tests).
+    sliding_window, logit_softcap: constexpr switches (None compiles the kernel without them)."""
     bsz, hq, d = q.shape
     _, _, bs, hk, _ = kv_cache.shape
     g = hq // hk
@@ -432,17 +464,20 @@ def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scal
     part = torch.empty(bsz, hq, s, d, dtype=torch.float32, device=q.device) if s > 1 else out
     lse = torch.empty(bsz, hq, s, dtype=torch.float32, device=q.device) if s > 1 else out
     _decode_kernel[(bsz, hk, s)](q, kv_cache, block_tables, context_lens, ks, vs, os_, out, part, lse, scale * LOG2E,
-                                 block_tables.stride(0), kv_cache.stride(0), s, HQ=hq, HKD=hk * d, G=g,
+                                 block_tables.stride(0), kv_cache.stride(0), s, sliding_window or 0,
+                                 (logit_softcap or 1.0) * LOG2E, HQ=hq, HKD=hk * d, G=g,
                                  GP=max(16, next_pow2(g)), D=d, BS=bs, BLOCK_N=cfg.block_n, FP8=fp8,
                                  DIRECT=s == 1, QUANT_OUT=out_scale is not None,
-                                 BLOCKS=blocks, num_warps=cfg.warps, num_stages=cfg.stages,
+                                 BLOCKS=blocks, WINDOW=sliding_window is not None,
+                                 SOFTCAP=logit_softcap is not None, num_warps=cfg.warps, num_stages=cfg.stages,
                                  **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     if s > 1:
         t = tuning.current()
         sp = t.decode_max_splits if s <= t.decode_max_splits else next_pow2(max(s, t.decode_max_splits_long))  # two
         # variants, both built by
         # the decode graphs' warm-ups (an eager mixed step with another split count compiles nothing mid-run)
-        _combine_kernel[(bsz * hq,)](part, lse, context_lens, os_, out, s, HQ=hq, D=d, SP=sp, BLOCK_N=cfg.block_n,
-                                     COMBINE_ROWS=min(t.decode_combine_rows, sp), model_dtype=_tl_dtype(q.dtype),
-                                     QUANT_OUT=out_scale is not None, num_warps=4 if sp <= 16 else 8)
+        _combine_kernel[(bsz * hq,)](part, lse, context_lens, os_, out, s, sliding_window or 0, HQ=hq, D=d, SP=sp,
+                                     BLOCK_N=cfg.block_n, COMBINE_ROWS=min(t.decode_combine_rows, sp),
+                                     model_dtype=_tl_dtype(q.dtype), QUANT_OUT=out_scale is not None,
+                                     WINDOW=sliding_window is not None, BS=bs, num_warps=4 if sp <= 16 else 8)
     return out

@@ -5,6 +5,8 @@ sequence times the G query heads that share a KV head, G padded to a power of tw
 [token-major: row r = token r // GP, head r % GP; heads >= G masked], so each K/V tile is loaded (and, for an FP8
 cache, converted) once for G heads. Keys below the tile's first query position are visible to every row: those
 tiles run without the causal mask; only the last tiles (at most ceil(BLOCK_T / BLOCK_N) + 1) are masked.
+With a sliding window W (constexpr WINDOW) a tile reads keys from the cache block holding its first query's first
+visible key (position first - W + 1) on, every tile masked; blocks wholly before it are never loaded.
 """
 import torch
 
@@ -30,12 +32,13 @@ def _tile(kv_ptr, bt_ptr, bt_row, n0, end, kvh, offs_d, half_stride, HKD: tl.con
 
 @kernel
 def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_ptr, qk_scale, bt_stride,
-                    half_stride, HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                    half_stride, window, softcap, HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                     D: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                     FP8: tl.constexpr, QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr, DOT_ACC: tl.constexpr,
-                    HEAVY_FIRST: tl.constexpr, PDL: tl.constexpr):
+                    HEAVY_FIRST: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr):
     """Program (token tile, b, kv head), or with HEAVY_FIRST (kv head, b, last tile first): rows = BLOCK_T new tokens
-    x the G query heads of KV head kvh. DOT_ACC: PrefillTiles.dot_acc."""
+    x the G query heads of KV head kvh. DOT_ACC: PrefillTiles.dot_acc. WINDOW: keys j > pos - window only;
+    SOFTCAP: _softmax_step's (softcap in the log2 domain)."""
     wait_for_producers(PDL)
     M: tl.constexpr = BLOCK_T * GP
     if HEAVY_FIRST:
@@ -70,15 +73,32 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_
     full_end = (first + 1) // BLOCK_N * BLOCK_N  # keys < first + 1 are visible to every row
     end = tl.minimum(ctx_len, first + BLOCK_T)
     bt_row = b * bt_stride
-    for n0 in range(0, full_end, BLOCK_N):
-        k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, full_end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS,
-                     FP8)
-        m, l, acc = _softmax_step(q, k, v, None, m, l, acc, qk_scale, v_scale, False, FP8, DOT_ACC)
-    for n0 in range(full_end, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS, FP8)
-        valid = (offs_n[None, :] < end) & (offs_n[None, :] <= pos[:, None])
-        m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, True, FP8, DOT_ACC)
+    if WINDOW:  # from the block of the first row's first visible key; every tile masked
+        m = tl.full([M], -1.0e30, tl.float32)  # finite: a later row's first tiles may lie wholly before its window
+        lo = tl.maximum(first - window + 1, 0) // BS * BS
+        for n0 in range(lo, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS,
+                         FP8)
+            valid = ((offs_n[None, :] < end) & (offs_n[None, :] <= pos[:, None])
+                     & (offs_n[None, :] > pos[:, None] - window))
+            m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, True, FP8, DOT_ACC, softcap,
+                                      SOFTCAP)
+    else:
+        for n0 in range(0, full_end, BLOCK_N):
+            k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, full_end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS,
+                         FP8)
+            m, l, acc = _softmax_step(q, k, v, None, m, l, acc, qk_scale, v_scale, False, FP8, DOT_ACC, softcap,
+                                      SOFTCAP)
+        for n0 in range(full_end, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            k, v = _tile(kv_ptr, bt_ptr, bt_row, n0, end, kvh, offs_d, half_stride, HKD, D, BS, BLOCK_N, BLOCKS,
+                         FP8)
+            valid = (offs_n[None, :] < end) & (offs_n[None, :] <= pos[:, None])
+            m, l, acc = _softmax_step(q, k, v, valid, m, l, acc, qk_scale, v_scale, True, FP8, DOT_ACC, softcap,
+                                      SOFTCAP)
+    if WINDOW:  # padding rows past the last query may see no key in the window: l = 0 there (never stored)
+        l = tl.where(l > 0, l, 1.0)
     if DOT_ACC:
         o = acc * (v_scale / l)[:, None]
     else:
@@ -88,8 +108,10 @@ def _prefill_kernel(q_ptr, kv_ptr, bt_ptr, qsl_ptr, ctx_ptr, ks_ptr, vs_ptr, os_
 
 
 def paged_prefill(q, kv_cache, query_start_loc, context_lens, block_tables, max_query_len, scale,
-                  k_scale, v_scale, out_scale=None, config: PrefillTiles | None = None) -> torch.Tensor:
-    """Triton: same contract as paged_prefill_ref. max_query_len (host int) sizes the grid."""
+                  k_scale, v_scale, out_scale=None, config: PrefillTiles | None = None, sliding_window: int | None = None,
+                  logit_softcap: float | None = None) -> torch.Tensor:
+    """Triton: same contract as paged_prefill_ref. max_query_len (host int) sizes the grid. sliding_window,
+    logit_softcap: constexpr switches (None compiles the kernel without them)."""
     t, hq, d = q.shape
     _, _, bs, hk, _ = kv_cache.shape
     g = hq // hk
@@ -106,8 +128,10 @@ def paged_prefill(q, kv_cache, query_start_loc, context_lens, block_tables, max_
     if tiles.heavy_first:
         grid = grid[::-1]
     _prefill_kernel[grid](q, kv_cache, block_tables, query_start_loc, context_lens, ks, vs, os_, out, scale * LOG2E,
-                          block_tables.stride(0), kv_cache.stride(0), HQ=hq, HKD=hk * d, G=g, GP=gp, D=d, BS=bs,
+                          block_tables.stride(0), kv_cache.stride(0), sliding_window or 0,
+                          (logit_softcap or 1.0) * LOG2E, HQ=hq, HKD=hk * d, G=g, GP=gp, D=d, BS=bs,
                           BLOCK_T=block_t, BLOCK_N=tiles.block_n, FP8=fp8, QUANT_OUT=out_scale is not None,
                           BLOCKS=blocks, DOT_ACC=tiles.dot_acc, HEAVY_FIRST=tiles.heavy_first,
+                          WINDOW=sliding_window is not None, SOFTCAP=logit_softcap is not None,
                           num_warps=tiles.warps, num_stages=tiles.stages)
     return out

@@ -6,6 +6,14 @@ prefix finds it. With a host pool (`host_blocks`), a hashed block the free list 
 the host (an offload move), and a prefix match continues past the device hits into the host pool: those blocks get
 fresh device blocks and are copied back (restore moves) instead of recomputed. `take_moves` hands a step's moves to
 the runner, which applies them before the step's forward.
+
+With a sliding window W (every attention layer windowed, W the largest window), a running sequence gives back the
+blocks that ended before its next query's window (`release_outside_window`): the attention never reads them again.
+Its block_table keeps their ids (positions stay put and the table only grows; the stale entries point at blocks
+that may be reused elsewhere, which the window masks and the kernels never load). Released blocks keep their hash,
+as any freed block does: their K/V depend only on the token prefix, so a later prompt with that prefix may still
+find them until the free list hands them out. Accounting per layer kind (some layers global) is not done: a model
+with any global layer holds its whole history.
 """
 from collections import OrderedDict
 
@@ -29,10 +37,12 @@ def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 host_blocks: int = 0):
-        assert num_blocks > 0 and block_size > 0
+                 host_blocks: int = 0, sliding_window: int | None = None):
+        assert num_blocks > 0 and block_size > 0 and (sliding_window is None or sliding_window > 0)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        self.released: dict[int, tuple[int, int | None]] = {}  # seq_id -> (leading blocks released, last one's hash)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
@@ -125,16 +135,41 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
+        released, released_hash = self.released.get(seq.seq_id, (0, None))
         for i in range(seq.num_hashed_blocks, full):
-            prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
+            prev = None if i == 0 else released_hash if i == released else self.blocks[seq.block_table[i - 1]].hash
             block = self.blocks[seq.block_table[i]]
             block.token_ids = seq.block(i, self.block_size)
             block.hash = chain_hash(prev, block.token_ids)
             self.hash_to_block_id.setdefault(block.hash, block.block_id)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
+    def release_outside_window(self, seq: Sequence) -> None:
+        """Frees the leading blocks of a running sequence that end before the window of its next query (position
+        num_computed_tokens, which sees keys after num_computed_tokens - W). With prefix caching, only blocks already
+        registered (commit), so the hash chain of later blocks stays computable."""
+        if self.sliding_window is None:
+            return
+        released, _ = self.released.get(seq.seq_id, (0, None))
+        upto = max(0, seq.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        if self.enable_prefix_caching:
+            upto = min(upto, seq.num_hashed_blocks)
+        if upto <= released:
+            return
+        for block_id in seq.block_table[released:upto]:
+            self._unref(block_id)
+        self.released[seq.seq_id] = (upto, self.blocks[seq.block_table[upto - 1]].hash)
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None
+
     def deallocate(self, seq: Sequence) -> None:
-        for block_id in reversed(seq.block_table):  # tail blocks first: they are evicted before shared heads
+        released, _ = self.released.pop(seq.seq_id, (0, None))
+        for block_id in reversed(seq.block_table[released:]):  # tail blocks first: evicted before shared heads
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0

@@ -77,6 +77,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.stopping:
                 continue  # preempted earlier in this step, or its last token is in flight
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            self.block_manager.release_outside_window(seq)
             if not self.block_manager.has_room(seq, n):  # a decode needs a new block once every block_size steps
                 while not self.block_manager.can_append(seq, n):
                     victim = self.running[-1]

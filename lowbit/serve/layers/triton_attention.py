@@ -35,22 +35,24 @@ class TritonAttentionBackend:
     @staticmethod
     def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None, sliding_window=None,
                logit_softcap=None) -> torch.Tensor:
-        if sliding_window is not None or logit_softcap is not None:
-            raise NotImplementedError("the Triton attention kernels take no sliding window or logit softcap yet")
+        win = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
         n = len(ctx.query_lens_cpu) if ctx.is_decode else leading_single_tokens(ctx.query_lens_cpu)
         splits = decode_splits(n, kv_cache.shape[3]) if n else 0
         if splits > 1:  # a small batch (few lengths to scan): its longest context may call for more splits
-            splits = decode_splits(n, kv_cache.shape[3], max(ctx.context_lens_cpu[:n]))
+            longest = max(ctx.context_lens_cpu[:n])  # keys read: at most the window plus part of one block
+            if sliding_window is not None:
+                longest = min(longest, sliding_window + kv_cache.shape[2])
+            splits = decode_splits(n, kv_cache.shape[3], longest)
         if n == len(ctx.query_lens_cpu):  # decodes, or one-token prompt chunks only: one row per sequence
             return paged_decode(q, kv_cache, ctx.block_tables, ctx.context_lens, scale, k_scale, v_scale,
-                                   num_splits=splits, out_scale=out_scale)
+                                num_splits=splits, out_scale=out_scale, **win)
         if n == 0:
             return paged_prefill(q, kv_cache, ctx.query_start_loc, ctx.context_lens, ctx.block_tables,
-                                 max(ctx.query_lens_cpu), scale, k_scale, v_scale, out_scale)
+                                 max(ctx.query_lens_cpu), scale, k_scale, v_scale, out_scale, **win)
         # rows [0, n) are the n one-token sequences; the prefill kernel indexes q by query_start_loc[n:], whose
         # entries still count from row 0, and leaves rows [0, n) of its output to the decode kernel
         out = paged_prefill(q, kv_cache, ctx.query_start_loc[n:], ctx.context_lens[n:], ctx.block_tables[n:],
-                            max(ctx.query_lens_cpu[n:]), scale, k_scale, v_scale, out_scale)
+                            max(ctx.query_lens_cpu[n:]), scale, k_scale, v_scale, out_scale, **win)
         out[:n] = paged_decode(q[:n], kv_cache, ctx.block_tables[:n], ctx.context_lens[:n], scale, k_scale,
-                                  v_scale, num_splits=splits, out_scale=out_scale)
+                               v_scale, num_splits=splits, out_scale=out_scale, **win)
         return out

@@ -36,6 +36,16 @@ def load_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
     return model.eval()
 
 
+def kv_window(model) -> int | None:
+    """Tokens behind the newest query that any attention layer still reads: the largest sliding window over the
+    model's layers, or None when some layer (or every one) attends to the whole context. Blocks wholly before it
+    can be freed (BlockManager's sliding_window)."""
+    windows = [m.sliding_window for m in model.modules() if isinstance(m, Attention)]
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
+
+
 def _linear_tensors(ckpt, tensors, name) -> tuple[str | None, dict]:
     """(quant_algo, {suffix: tensor}) of the checkpoint linear `name`."""
     found = {s: tensors[f"{name}.{s}"] for s in LINEAR_SUFFIXES if f"{name}.{s}" in tensors}

@@ -14,7 +14,7 @@ from lowbit.serve.runner.block_tables import TABLE_WIDTH_MULTIPLE, BlockTables
 from lowbit.serve.runner.context import StepContext
 from lowbit.serve.runner.host_cache import HostCache
 from lowbit.serve.runner.kv_cache import allocate_kv_cache
-from lowbit.serve.runner.loader import load_model, model_dtype
+from lowbit.serve.runner.loader import kv_window, load_model, model_dtype
 from lowbit.serve.engine.host_pool import BlockMoves
 from lowbit.serve.engine.scheduler import Batch
 
@@ -33,6 +33,7 @@ class ModelRunner:
         kv = ckpt.kv_format  # a ValueError for an unknown kv_cache_quant_algo
         self.kv_dtype = kv.cache_dtype if kv is not None else self.dtype
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.sliding_window = kv_window(self.model)  # every layer windowed: blocks before it may be freed
         gpu_attention = _use_gpu_attention(self.device.type == "cuda")
         bs = config.block_size
         if gpu_attention and self.kv_dtype == torch.float8_e4m3fn and bs & (bs - 1):
