@@ -1,11 +1,15 @@
 """Model families by HF architecture name."""
 from lowbit.serve.models.llama import LlamaForCausalLM
+from lowbit.serve.models.mistral import MistralForCausalLM
+from lowbit.serve.models.phi3 import Phi3ForCausalLM
 from lowbit.serve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
