@@ -20,7 +20,7 @@ _WHERE = {
     "lowbit.kernels.ops.sampling": ("argmax_rows", "exponential_noise"),
     "lowbit.kernels.ops.decode_inputs": ("load_decode_inputs", "merge_pending"),
     "lowbit.kernels.attention.paged_attention": ("store_kv", "store_kv_ref", "gather_kv", "v_blocks", "paged_decode",
-                                                 "decode_splits", "long_context"),
+                                                 "decode_splits", "long_context", "attention_ref", "window_start"),
     "lowbit.kernels.attention.paged_prefill": ("paged_prefill",),
     "lowbit.kernels.attention.rotary_kv": ("rotary_store_kv",),
     "lowbit.kernels._triton": ("all_kernels_early", "HAS_TRITON"),

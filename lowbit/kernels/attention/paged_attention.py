@@ -60,39 +60,74 @@ def _quantize(x, scale, dtype):
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
-def gather_kv(kv_cache, table, n, scale_k, scale_v, dtype):
-    """table: one sequence's block-table row -> its first n tokens' k, v [n, Hk, D], dequantized to dtype."""
+def gather_kv(kv_cache, table, n, scale_k, scale_v, dtype, start: int = 0):
+    """table: one sequence's block-table row -> its tokens [start, n) as k, v [n - start, Hk, D], dequantized to
+    dtype. start: a multiple of the block size (blocks before it are not read: a window may have freed them)."""
     bs = kv_cache.shape[2]
-    blocks = table[:cdiv(n, bs)].long()
+    if start % bs:
+        raise ValueError(f"gather_kv: start {start} is not a multiple of the block size {bs}")
+    blocks = table[start // bs:cdiv(n, bs)].long()
     out = []
     for half, s in ((kv_cache[0], scale_k), (v_blocks(kv_cache), scale_v)):
-        x = _bits(half)[blocks].flatten(0, 1)[:n].view(kv_cache.dtype)
+        x = _bits(half)[blocks].flatten(0, 1)[:n - start].view(kv_cache.dtype)
         out.append((x.float() * s).to(dtype) if x.dtype == torch.float8_e4m3fn else x.to(dtype))
     return out
 
 
+def window_start(first_pos: int, sliding_window: int | None, block_size: int) -> int:
+    """The first cached token a query at position first_pos (or any later one) can see, rounded down to its block:
+    0 without a window, else first_pos - W + 1 (query i sees keys j with i - W < j <= i)."""
+    if sliding_window is None:
+        return 0
+    return max(0, first_pos - sliding_window + 1) // block_size * block_size
+
+
+def attention_ref(q, k, v, query_pos, key_pos, scale, sliding_window=None, logit_softcap=None) -> torch.Tensor:
+    """q [B, Hq, M, D], k, v [B, Hk, N, D] (Hq a multiple of Hk), query_pos [B, M] / key_pos [B, N] or [N] token
+    positions (key_pos < 0: padding) -> [B, Hq, M, D] in q's dtype. Query i sees keys j with pos_j <= pos_i (and
+    pos_i - W < pos_j with a window W); softcap c: scores = c * tanh(scores / c) before the mask and softmax
+    (transformers' eager attention). Without a softcap, SDPA; with one, fp32 math."""
+    qp, kp = query_pos[..., :, None], key_pos[..., None, :]
+    mask = (kp <= qp) & (kp >= 0)
+    if sliding_window is not None:
+        mask = mask & (kp > qp - sliding_window)
+    mask = mask[:, None] if mask.dim() == 3 else mask  # [B, 1, M, N] or [M, N]
+    if logit_softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    g = q.shape[1] // k.shape[1]
+    kf, vf = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
+    s = q.float() @ kf.transpose(-1, -2) * scale
+    s = logit_softcap * torch.tanh(s / logit_softcap)
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    return (p @ vf).to(q.dtype)
+
+
 def paged_prefill_ref(q, kv_cache, query_start_loc, context_lens, block_tables, max_query_len, scale,
-                      k_scale, v_scale, out_scale=None) -> torch.Tensor:
+                      k_scale, v_scale, out_scale=None, sliding_window=None, logit_softcap=None) -> torch.Tensor:
     """q [T, Hq, D] (the new tokens of all sequences) -> [T, Hq, D]; query i of b sits at ctx_len - q_len + i.
-    out_scale (the next linear's static FP8 input scale): the output, in q's dtype, quantized to float8_e4m3fn."""
+    out_scale (the next linear's static FP8 input scale): the output, in q's dtype, quantized to float8_e4m3fn.
+    sliding_window W: query at position i sees keys j with i - W < j <= i (blocks wholly before the window are not
+    read); logit_softcap c: scores = c * tanh(scores / c) before the softmax (attention_ref)."""
     out = torch.empty_like(q)
     qsl, lens = query_start_loc.tolist(), context_lens.tolist()
     for b, ctx_len in enumerate(lens):
         s, e = qsl[b], qsl[b + 1]
-        k, v = gather_kv(kv_cache, block_tables[b], ctx_len, k_scale, v_scale, q.dtype)
+        first = window_start(ctx_len - (e - s), sliding_window, kv_cache.shape[2])
+        k, v = gather_kv(kv_cache, block_tables[b], ctx_len, k_scale, v_scale, q.dtype, first)
         pos = torch.arange(ctx_len - (e - s), ctx_len, device=q.device)
-        mask = torch.arange(ctx_len, device=q.device)[None, :] <= pos[:, None]
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True)
+        o = attention_ref(q[s:e].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], pos,
+                          torch.arange(first, ctx_len, device=q.device), scale, sliding_window, logit_softcap)
         out[s:e] = o[0].transpose(0, 1)
     return out if out_scale is None else quantize_fp8_ref(out, out_scale)
 
 
 def paged_decode_ref(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scale,
-                     num_splits: int | None = None, out_scale=None) -> torch.Tensor:
+                     num_splits: int | None = None, out_scale=None, sliding_window=None,
+                     logit_softcap=None) -> torch.Tensor:
     """q [B, Hq, D], one new token per sequence (its K/V already stored) -> [B, Hq, D]."""
     qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_prefill_ref(q, kv_cache, qsl, context_lens, block_tables, 1, scale, k_scale, v_scale, out_scale)
+    return paged_prefill_ref(q, kv_cache, qsl, context_lens, block_tables, 1, scale, k_scale, v_scale, out_scale,
+                             sliding_window, logit_softcap)
 
 
 # ---- KV store

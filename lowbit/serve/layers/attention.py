@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit.kernels import gather_kv, quantize_fp8_ref, rotary_qk_ref, store_kv_ref, v_blocks
+from lowbit.kernels import (attention_ref, gather_kv, quantize_fp8_ref, rotary_qk_ref, store_kv_ref, v_blocks,
+                            window_start)
 from lowbit.serve.runner.context import StepContext
 
 
@@ -58,23 +59,30 @@ class TorchAttentionBackend:
         return q
 
     @staticmethod
-    def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None) -> torch.Tensor:
-        """q [T, Hq, D] -> out [T, Hq, D]: each new token attends to its sequence's keys up to its own position.
-        out_scale: the output (in q's dtype) quantized to float8_e4m3fn with this static scale."""
+    def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None, sliding_window=None,
+               logit_softcap=None) -> torch.Tensor:
+        """q [T, Hq, D] -> out [T, Hq, D]: each new token attends to its sequence's keys up to its own position
+        (sliding_window W: only the last W of them, its own included; logit_softcap c: scores = c * tanh(scores / c)
+        before the softmax). out_scale: the output (in q's dtype) quantized to float8_e4m3fn with this static scale."""
         if ctx.is_decode:
-            out = _attend_decode(q, kv_cache, ctx, scale, k_scale, v_scale)
+            out = _attend_decode(q, kv_cache, ctx, scale, k_scale, v_scale, sliding_window, logit_softcap)
             return out if out_scale is None else quantize_fp8_ref(out, out_scale)
         out = torch.empty_like(q)
         start = 0
         for b, (n, ctx_len) in enumerate(zip(ctx.query_lens_cpu, ctx.context_lens_cpu)):
-            k, v = gather_kv(kv_cache, ctx.block_tables[b], ctx_len, k_scale, v_scale, q.dtype)
+            first = window_start(ctx_len - n, sliding_window, kv_cache.shape[2])  # blocks before it: not read
+            k, v = gather_kv(kv_cache, ctx.block_tables[b], ctx_len, k_scale, v_scale, q.dtype, first)
             qb = q[start:start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
-            mask = None  # a whole prompt at once: is_causal; a later chunk: query i sits at ctx_len - n + i
-            if 1 < n < ctx_len:
-                mask = torch.ones(n, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - n)
-            k, v = k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous()  # [1, Hk, ctx, D]
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask,
-                                               is_causal=1 < n == ctx_len, scale=scale, enable_gqa=True)
+            k, v = k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous()  # [1, Hk, L, D]
+            if sliding_window is None and logit_softcap is None:
+                mask = None  # a whole prompt at once: is_causal; a later chunk: query i sits at ctx_len - n + i
+                if 1 < n < ctx_len:
+                    mask = torch.ones(n, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - n)
+                o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask,
+                                                   is_causal=1 < n == ctx_len, scale=scale, enable_gqa=True)
+            else:
+                o = attention_ref(qb, k, v, torch.arange(ctx_len - n, ctx_len, device=q.device),
+                                  torch.arange(first, ctx_len, device=q.device), scale, sliding_window, logit_softcap)
             out[start:start + n] = o[0].transpose(0, 1)
             start += n
         return out if out_scale is None else quantize_fp8_ref(out, out_scale)
@@ -87,10 +95,10 @@ def _rotate(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def _attend_decode(q, kv_cache, ctx: StepContext, scale, k_scale, v_scale) -> torch.Tensor:
+def _attend_decode(q, kv_cache, ctx: StepContext, scale, k_scale, v_scale, sliding_window, logit_softcap):
     """One new token per sequence: q [B, Hq, D] -> [B, Hq, D], every sequence in one SDPA over its keys gathered
-    into [B, Hk, L, D] (L = the longest context; shorter ones masked past their length)."""
-    blk, off, mask = _MEMO.decode_slots(ctx, kv_cache.shape[2])
+    into [B, Hk, L, D] (L = the longest context, or at most W with a window; shorter ones masked)."""
+    blk, off, mask = _MEMO.decode_slots(ctx, kv_cache.shape[2], sliding_window)
     kv = []
     for half, s in ((kv_cache[0], k_scale), (v_blocks(kv_cache), v_scale)):
         if half.dtype == torch.float8_e4m3fn:  # gathered as bytes (CPU indexing has no float8 kernels)
@@ -98,8 +106,17 @@ def _attend_decode(q, kv_cache, ctx: StepContext, scale, k_scale, v_scale) -> to
         else:
             x = half[blk, off].to(q.dtype)  # [B, L, Hk, D], token order whatever the cache layout
         kv.append(x.transpose(1, 2))
-    o = F.scaled_dot_product_attention(q[:, :, None], kv[0], kv[1], attn_mask=mask, scale=scale, enable_gqa=True)
-    return o[:, :, 0]
+    if logit_softcap is None:
+        o = F.scaled_dot_product_attention(q[:, :, None], kv[0], kv[1], attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+        return o[:, :, 0]
+    g = q.shape[1] // kv[0].shape[1]  # softcapped scores: transformers' eager math in fp32
+    s = (q[:, :, None].float() @ kv[0].float().repeat_interleave(g, 1).transpose(-1, -2)) * scale  # [B, Hq, 1, L]
+    s = logit_softcap * torch.tanh(s / logit_softcap)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    o = torch.softmax(s, dim=-1) @ kv[1].float().repeat_interleave(g, 1)
+    return o[:, :, 0].to(q.dtype)
 
 
 class _StepMemo:
@@ -131,19 +148,26 @@ class _StepMemo:
             self._rot_key, self._rot = key, (cos[:, None, :], sin[:, None, :])
         return self._rot
 
-    def decode_slots(self, ctx: StepContext, block_size: int):
+    def decode_slots(self, ctx: StepContext, block_size: int, sliding_window: int | None = None):
         """ctx of a pure-decode step -> (block ids [B, L], offsets [B, L], mask [B, 1, 1, L] or None when every
-        context has length L): sequence b's tokens 0..L-1 (past its length: its own last slot, masked)."""
+        slot is valid): sequence b's tokens from max(0, len_b - W) (0 without a window W) on, L = the most of them
+        any sequence has (past its length: its own last slot, masked). One entry per window size a step asks for."""
         if self._slots_key is not ctx:
+            self._slots_key, self._slots = ctx, {}
+        if sliding_window not in self._slots:
             lens = ctx.context_lens_cpu
-            length, device = max(lens), ctx.block_tables.device
-            pos = torch.arange(length, device=device)
+            device = ctx.block_tables.device
+            first = [0 if sliding_window is None else max(0, n - sliding_window) for n in lens]
+            length = max(n - f for n, f in zip(lens, first))
+            first_t = torch.tensor(first, device=device)
             lens_t = torch.tensor(lens, device=device)
-            tok = torch.minimum(pos[None, :], lens_t[:, None] - 1)  # [B, L]
+            pos = first_t[:, None] + torch.arange(length, device=device)[None, :]  # [B, L]
+            tok = torch.minimum(pos, lens_t[:, None] - 1)
             blk = ctx.block_tables.long().gather(1, tok // block_size)
-            mask = None if min(lens) == length else (pos[None, :] < lens_t[:, None])[:, None, None, :]
-            self._slots_key, self._slots = ctx, (blk, tok % block_size, mask)
-        return self._slots
+            full = all(n - f == length for n, f in zip(lens, first))
+            mask = None if full else (pos < lens_t[:, None])[:, None, None, :]
+            self._slots[sliding_window] = (blk, tok % block_size, mask)
+        return self._slots[sliding_window]
 
 
 def _same(key: tuple, old: tuple | None) -> bool:
@@ -165,12 +189,23 @@ def set_attention_backend(backend) -> None:
 
 
 class Attention(nn.Module):
-    """Stores this step's K/V into the layer's cache, then attends over the cache (including them)."""
+    """Stores this step's K/V into the layer's cache, then attends over the cache (including them).
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    sliding_window W (tokens, >= 1): the query at position i sees keys j with i - W < j <= i (transformers' sliding
+    window); logit_softcap c (> 0): scores = c * tanh(scores / c) before the mask and softmax (Gemma 2); scale: the
+    factor on q.k (None: head_dim ** -0.5)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None,
+                 logit_softcap: float | None = None, scale: float | None = None):
         super().__init__()
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"Attention: sliding_window must be a positive int or None, got {sliding_window!r}")
+        if logit_softcap is not None and not logit_softcap > 0:
+            raise ValueError(f"Attention: logit_softcap must be > 0 or None, got {logit_softcap!r}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else float(scale)
+        self.sliding_window = sliding_window
+        self.logit_softcap = None if logit_softcap is None else float(logit_softcap)
         self.kv_cache: torch.Tensor | None = None  # assigned by the ModelRunner
         self.k_scale = torch.tensor(1.0)  # float32 scalars, used only with an FP8 cache
         self.v_scale = torch.tensor(1.0)
@@ -193,5 +228,10 @@ class Attention(nn.Module):
 
     def _attend(self, q, ctx: StepContext, out_scale) -> torch.Tensor:
         """q [T, Hq, D] -> [T, Hq*D]."""
-        out = _backend.attend(q, self.kv_cache, ctx, self.scale, self.k_scale, self.v_scale, out_scale)
+        extra = {}  # only when set, so a backend without windows or softcap keeps working for plain models
+        if self.sliding_window is not None:
+            extra["sliding_window"] = self.sliding_window
+        if self.logit_softcap is not None:
+            extra["logit_softcap"] = self.logit_softcap
+        out = _backend.attend(q, self.kv_cache, ctx, self.scale, self.k_scale, self.v_scale, out_scale, **extra)
         return out.reshape(q.shape[0], -1)

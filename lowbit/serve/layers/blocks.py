@@ -19,10 +19,12 @@ class SelfAttention(nn.Module):
     Without q/k norms, rotary and the K/V store run in one backend call straight from the qkv rows and apply
     qkv_proj's deferred FP8 part_scales (with q/k norms qkv_proj merges per row instead: an RMSNorm before RoPE
     would absorb a ratio). When o_proj is static FP8, attention writes its output as o_proj's float8_e4m3fn input.
+    sliding_window, logit_softcap, scale: the attention's (layers.attention.Attention).
     """
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding,
-                 qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None):
+                 qkv_bias: bool = False, o_bias: bool = False, qk_norm_eps: float | None = None,
+                 sliding_window: int | None = None, logit_softcap: float | None = None, scale: float | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -34,7 +36,7 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm else None
         self.rotary = [rotary]  # shared by every layer, and kept out of this module's children
-        self.attn = Attention(num_heads, num_kv_heads, head_dim)
+        self.attn = Attention(num_heads, num_kv_heads, head_dim, sliding_window, logit_softcap, scale)
 
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """hidden [T, hidden] (float8_e4m3fn when qkv_proj takes static FP8 input) -> [T, hidden]."""

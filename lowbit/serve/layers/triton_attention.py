@@ -33,7 +33,10 @@ class TritonAttentionBackend:
                                slot_mapping, k_scale, v_scale)
 
     @staticmethod
-    def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None) -> torch.Tensor:
+    def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None, sliding_window=None,
+               logit_softcap=None) -> torch.Tensor:
+        if sliding_window is not None or logit_softcap is not None:
+            raise NotImplementedError("the Triton attention kernels take no sliding window or logit softcap yet")
         n = len(ctx.query_lens_cpu) if ctx.is_decode else leading_single_tokens(ctx.query_lens_cpu)
         splits = decode_splits(n, kv_cache.shape[3]) if n else 0
         if splits > 1:  # a small batch (few lengths to scan): its longest context may call for more splits
