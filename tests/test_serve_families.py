@@ -14,6 +14,7 @@ SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
              num_key_value_heads=2, initializer_range=0.2, tie_word_embeddings=False)
 ORIGINAL = 32  # Phi-3's original context: decoding past it switches to the long factors
 MAX_TOKENS = 10
+WINDOW = 11  # Mistral's and Phi-3's sliding window: smaller than most prompts, and not a block multiple
 LOGPROB_TOL = 1e-4  # fp32 end to end; measured differences are ~1e-6
 # token-id prompts; the longest (28) ends below ORIGINAL and its generation crosses it
 PROMPTS = [[(7 * i + 3) % 500 + 5 for i in range(n)] for n in (28, 3, 17)]
@@ -24,14 +25,14 @@ def config(family: str):
     from transformers import MistralConfig, Phi3Config, Qwen3Config
 
     if family == "mistral":
-        return MistralConfig(**SMALL, head_dim=32, max_position_embeddings=256, sliding_window=None)
+        return MistralConfig(**SMALL, head_dim=32, max_position_embeddings=256, sliding_window=WINDOW)
     if family == "phi3":
         half = SMALL["hidden_size"] // SMALL["num_attention_heads"] // 2
         longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": ORIGINAL,
                     "short_factor": [1.0 + 0.25 * i for i in range(half)],
                     "long_factor": [3.0 + 2.0 * i for i in range(half)]}
         return Phi3Config(**SMALL, max_position_embeddings=4 * ORIGINAL, original_max_position_embeddings=ORIGINAL,
-                          rope_parameters=longrope, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+                          rope_parameters=longrope, sliding_window=WINDOW, pad_token_id=0, eos_token_id=2, bos_token_id=1)
     return Qwen3Config(**SMALL, head_dim=32, max_position_embeddings=256)
 
 

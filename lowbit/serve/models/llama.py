@@ -19,10 +19,10 @@ class LlamaAttention(SelfAttention):
                  sliding_window: int | None = None):
         hidden, num_heads = config["hidden_size"], config["num_attention_heads"]
         bias = config.get("attention_bias", False)
-        window = {"sliding_window": sliding_window} if sliding_window else {}
         super().__init__(hidden, num_heads, config.get("num_key_value_heads") or num_heads,
                          config.get("head_dim") or hidden // num_heads, rotary, qkv_bias=qkv_bias or bias,
-                         o_bias=bias, qk_norm_eps=config["rms_norm_eps"] if qk_norm else None, **window)
+                         o_bias=bias, qk_norm_eps=config["rms_norm_eps"] if qk_norm else None,
+                         sliding_window=sliding_window)
 
 
 class LlamaMLP(GatedMLP):

@@ -1,6 +1,7 @@
 """Phi-3: the Llama blocks served from the checkpoint's fused self_attn.qkv_proj and mlp.gate_up_proj tensors (each
 loaded as the merged linear it already is), LongRoPE ("longrope", "su") rotary, an optional sliding window."""
 from lowbit.serve.models.llama import LlamaForCausalLM
+from lowbit.serve.models.mistral import require_silu
 
 _LONGROPE_NAMES = ("su", "yarn")  # what Phi3Config reads as longrope
 
@@ -17,8 +18,7 @@ def phi3_config(config: dict) -> dict:
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     def __init__(self, config: dict):
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported; supported: ['silu']")
+        require_silu(config)
         super().__init__(phi3_config(config))
 
     @property
