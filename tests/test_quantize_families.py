@@ -33,7 +33,11 @@ def hf_config(family: str):
 
     if family == "mistral":
         return MistralConfig(**SMALL, head_dim=32, sliding_window=11)
-    return Phi3Config(**SMALL, sliding_window=11, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    half = SMALL["hidden_size"] // SMALL["num_attention_heads"] // 2
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 128,
+                "short_factor": [1.0 + 0.25 * i for i in range(half)], "long_factor": [4.0] * half}
+    return Phi3Config(**SMALL, original_max_position_embeddings=128, rope_parameters=longrope, sliding_window=11,
+                      pad_token_id=0, eos_token_id=2, bos_token_id=1)
 
 
 def rel_l2(a, b) -> float:
