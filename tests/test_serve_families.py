@@ -68,10 +68,10 @@ def hf_greedy_cached(model, ids, max_tokens):
     from transformers import DynamicCache
 
     cache, tokens = DynamicCache(config=model.config), list(ids)
-    logits = model(torch.tensor([tokens]), past_key_values=cache, use_cache=True).logits
+    logits = model(torch.tensor([tokens]), cache=cache, use_cache=True).logits
     for _ in range(max_tokens):
         tokens.append(int(logits[0, -1].argmax()))
-        logits = model(torch.tensor([tokens[-1:]]), past_key_values=cache, use_cache=True,
+        logits = model(torch.tensor([tokens[-1:]]), cache=cache, use_cache=True,
                        position_ids=torch.tensor([[len(tokens) - 1]])).logits
     return tokens[len(ids):]
 
@@ -82,10 +82,9 @@ def served(path, prompts, max_tokens=MAX_TOKENS, **engine):
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.parametrize("family", ["phi3"], indirect=True)
 def test_phi3_within_original_context_equals_generate(family):
-    name, model, path = family
-    if name != "phi3":
-        pytest.skip("Phi-3 only: generate's long-rope re-run")
+    _, model, path = family
     prompts = [p for p in PROMPTS if len(p) + MAX_TOKENS <= ORIGINAL]
     assert len(prompts) == 2
     hf = []
