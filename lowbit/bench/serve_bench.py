@@ -69,8 +69,9 @@ def parse(argv):
     p.add_argument("--phases", default="check,attn,hf,formats,sampled,extra")
     p.add_argument("--check-layers", type=int, default=2)
     p.add_argument("--extra", default="1000/1000/768,2048/128/512", help="ISL/OSL/N for FP8 maximum load")
+    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS),
+                   help="whose shapes the dummy weights take")
     p.add_argument("--tiny", action="store_true", help="a tiny fp32 config (CPU smoke test)")
-    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(PRESETS), help="the dummy model's shapes")
     p.add_argument("--device", default="cuda")
     p.add_argument("--deadline-s", type=float, default=1e9)
     p.add_argument("--json")
@@ -573,7 +574,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     results = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "gpu": gpu,
                "torch": torch.__version__, "command": "lowbit bench serve " + " ".join(argv or sys.argv[1:]),
-               "model": "Llama-3.1-8B shapes, dummy weights" if not args.tiny else "tiny"}
+               "model": f"{args.model} shapes, dummy weights" if not args.tiny else "tiny"}
     if "check" in args.phases:
         for fmt in chosen:
             phase(results, f"check_{fmt}", lambda: check_format(args, fmt), args)

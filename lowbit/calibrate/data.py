@@ -90,21 +90,38 @@ def _hub_texts(dataset_id: str) -> list[str]:
     return list(ds["text"][:10000])
 
 
+def special_prefix(tokenizer) -> list[int]:
+    """The ids the tokenizer puts before a text by default (add_special_tokens): [BOS] for Llama 3 or Gemma, [] for
+    the embedded SmolLM2 tokenizer. Special tokens it appends (an EOS some tokenizers add) are not included."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start]
+    raise ValueError(f"tokenizer {type(tokenizer).__name__}: its default encoding does not contain the plain one")
+
+
 def token_batches(tokenizer, texts: list[str], num_samples: int, seq_len: int, seed: int = 0) -> list[list[int]]:
-    """num_samples sequences of exactly seq_len tokens: texts shuffled by seed, joined with EOS, cut into chunks.
+    """num_samples sequences of exactly seq_len tokens: texts shuffled by seed, joined with EOS, cut into chunks,
+    each chunk after the tokenizer's own special prefix (special_prefix: BOS once per sequence, as the model sees
+    a prompt; nothing for a tokenizer that adds none).
 
     The same arguments always give the same batches. Fewer sequences come back only if the text runs out.
     """
     order = list(range(len(texts)))
     random.Random(seed).shuffle(order)
     sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    prefix = special_prefix(tokenizer)
+    body = seq_len - len(prefix)  # text tokens per sequence
+    if body <= 0:
+        raise UserError(f"sequence length {seq_len} leaves no room for text after {len(prefix)} special tokens")
     stream: list[int] = []
-    need = num_samples * seq_len
+    need = num_samples * body
     for i in order:
         stream += tokenizer(texts[i], add_special_tokens=False)["input_ids"] + sep
         if len(stream) >= need:
             break
-    count = len(stream) // seq_len
+    count = len(stream) // body
     if count == 0:
         raise UserError(f"calibration text has {len(stream)} tokens, fewer than one sequence of {seq_len}")
-    return [stream[k * seq_len:(k + 1) * seq_len] for k in range(min(count, num_samples))]
+    return [prefix + stream[k * body:(k + 1) * body] for k in range(min(count, num_samples))]

@@ -13,7 +13,7 @@ import torch
 
 from lowbit.models import home
 
-FORMAT_VERSION = 1  # bump when what is stored (or how it is computed) changes
+FORMAT_VERSION = 2  # bump when what is stored (or how it is computed) changes
 _HASHED_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".bin")
 
 

@@ -92,11 +92,16 @@ def server_lm(url: str, model_name: str, tokenizer_path: str, concurrency: int =
     """lm-eval's `local-completions`: token-id prompts, echo, logprobs, against URL/v1/completions."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
+    from lowbit.calibrate.data import special_prefix
     from lowbit.evaluate.perplexity import completions_url
 
-    return LocalCompletionsAPI(base_url=completions_url(url), model=model_name, tokenizer=tokenizer_path,
-                               tokenizer_backend="huggingface", tokenized_requests=True,
-                               num_concurrent=concurrency, max_retries=2)
+    lm = LocalCompletionsAPI(base_url=completions_url(url), model=model_name, tokenizer=tokenizer_path,
+                             tokenizer_backend="huggingface", tokenized_requests=True,
+                             num_concurrent=concurrency, max_retries=2)
+    # lm-eval's API models encode without special tokens unless told; follow the tokenizer's own convention, as the
+    # in-process HFLM does (BOS once at the start of each request's context)
+    lm.add_bos_token = bool(special_prefix(lm.tokenizer))
+    return lm
 
 
 def run_task(lm, name: str, limit: int | None, manager=None) -> dict:

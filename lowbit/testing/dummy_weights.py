@@ -32,13 +32,19 @@ GEMMA_3_12B = {
     "final_logit_softcapping": None, "attn_logit_softcapping": None, "tie_word_embeddings": True,
     "dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1,
 }
-PRESETS = {"llama-3.1-8b": LLAMA_3_1_8B, "gemma-3-12b": GEMMA_3_12B}  # real models' shapes, by name
 # per-layer norms beyond input_layernorm / post_attention_layernorm, by architecture
 EXTRA_NORMS = {
     "Gemma2ForCausalLM": ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
     "Gemma3ForCausalLM": ("pre_feedforward_layernorm", "post_feedforward_layernorm", "self_attn.q_norm",
                           "self_attn.k_norm"),
 }
+MISTRAL_7B = {  # Mistral-7B-Instruct-v0.3's shapes (no sliding window; v0.1's 4096-token window is sliding_window)
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 32768, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+    "sliding_window": None, "tie_word_embeddings": False, "dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+}
+PRESETS = {"llama-3.1-8b": LLAMA_3_1_8B, "gemma-3-12b": GEMMA_3_12B, "mistral-7b": MISTRAL_7B}  # `lowbit bench serve --model NAME`
 FORMATS = {  # name -> (quant_algo of the linears, kv_cache_quant_algo)
     "bf16": (None, None), "fp8": (formats.FP8.name, formats.KV_FP8.name), "int4_awq": (formats.W4A16_AWQ.name, None),
     "nvfp4": (formats.NVFP4.name, None), "w8a8_sq": (formats.W8A8_SQ_PER_CHANNEL.name, None),

@@ -1,6 +1,8 @@
 """Model families by HF architecture name."""
 from lowbit.serve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from lowbit.serve.models.llama import LlamaForCausalLM
+from lowbit.serve.models.mistral import MistralForCausalLM
+from lowbit.serve.models.phi3 import Phi3ForCausalLM
 from lowbit.serve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 ARCHITECTURES = {
@@ -9,6 +11,8 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

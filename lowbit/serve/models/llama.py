@@ -15,12 +15,14 @@ from lowbit.serve.runner.context import StepContext
 
 
 class LlamaAttention(SelfAttention):
-    def __init__(self, config: dict, rotary: RotaryEmbedding, qkv_bias: bool = False, qk_norm: bool = False):
+    def __init__(self, config: dict, rotary: RotaryEmbedding, qkv_bias: bool = False, qk_norm: bool = False,
+                 sliding_window: int | None = None):
         hidden, num_heads = config["hidden_size"], config["num_attention_heads"]
         bias = config.get("attention_bias", False)
         super().__init__(hidden, num_heads, config.get("num_key_value_heads") or num_heads,
                          config.get("head_dim") or hidden // num_heads, rotary, qkv_bias=qkv_bias or bias,
-                         o_bias=bias, qk_norm_eps=config["rms_norm_eps"] if qk_norm else None)
+                         o_bias=bias, qk_norm_eps=config["rms_norm_eps"] if qk_norm else None,
+                         sliding_window=sliding_window)
 
 
 class LlamaMLP(GatedMLP):

@@ -64,7 +64,11 @@ def _load_linear(ckpt, tensors, name, module: Linear, device, dtype) -> None:
 
 
 def _load_merged(ckpt, tensors, name, module: MergedLinear, device, dtype) -> None:
-    """The HF parts of a merged linear (self_attn.q_proj, ... for self_attn.qkv_proj), read and merged on the device."""
+    """The HF parts of a merged linear (self_attn.q_proj, ... for self_attn.qkv_proj), read and merged on the device;
+    a checkpoint that stores the linear fused (Phi-3's qkv_proj, gate_up_proj) loads as it is."""
+    if f"{name}.weight" in tensors:
+        _load_linear(ckpt, tensors, name, module.merged, device, dtype)
+        return
     parent = name.rsplit(".", 1)[0]
     parts = [_linear_tensors(ckpt, tensors, f"{parent}.{part}") for part in module.part_names]
     algos = [algo for algo, _ in parts]
