@@ -17,7 +17,9 @@ class Foreign:
     convert: Callable[[dict], dict]
 
 
-FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # safetensors header dtypes of unquantized weights
+def is_float_dtype(dtype: str) -> bool:
+    """A safetensors header dtype of an unquantized weight: F64, F32, F16 and its brain-float variant."""
+    return dtype.removeprefix("B") in ("F64", "F32", "F16")
 
 
 def tensor_headers(files: list[Path]) -> dict:

@@ -19,8 +19,8 @@ import re
 import torch
 
 from lowbit import formats
-from lowbit.checkpoint.interop.common import (FLOAT_DTYPES, Foreign, check_dtype, check_shape, int4_tensors, quant_dict, take,
-                                              tensor_headers, unpack_nibbles)
+from lowbit.checkpoint.interop.common import (Foreign, check_dtype, check_shape, int4_tensors, is_float_dtype,
+                                              quant_dict, take, tensor_headers, unpack_nibbles)
 from lowbit.errors import UserError
 
 METHOD = "compressed-tensors"
@@ -42,7 +42,7 @@ def read(path, config: dict, files: list) -> Foreign:
         raise UserError(f"{path}: compressed-tensors quantization_status {status!r} is not read (compressed only)")
     headers = tensor_headers(files)
     modules = sorted({k.rsplit(".", 1)[0] for k, (_, dtype) in headers.items() if k.rsplit(".", 1)[-1] in MARKERS or
-                      (k.endswith(".weight") and dtype not in FLOAT_DTYPES)})
+                      (k.endswith(".weight") and not is_float_dtype(dtype))})
     layers = {name: _layer(path, qc, name) for name in modules}
     kv = _kv_format(path, qc.get("kv_cache_scheme"))
     return Foreign(quant_dict(METHOD, {n: (fmt, g) for n, (fmt, g, _) in layers.items()}, kv),
