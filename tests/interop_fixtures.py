@@ -120,3 +120,83 @@ def ct_decompress(qc: dict, tensors: dict, module: str) -> torch.Tensor:
     local = {k[len(module) + 1:]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == module}
     compressor = BaseCompressor.get_value_from_registry(group["format"])
     return compressor.decompress(local, scheme)["weight"]
+
+
+# ---- AutoAWQ GEMM and GPTQ, by their packing conventions (AutoAWQ's WQLinear_GEMM.from_linear, auto-gptq's
+# QuantLinear.pack), written out here independently of lowbit's readers
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # word slot i holds column 8c + AWQ_PACK_ORDER[i]
+
+
+def _words(nibbles: torch.Tensor) -> torch.Tensor:
+    """int64 [..., 8] nibbles, slot i at bits 4*i -> int32 [...] (two's complement)."""
+    w = sum(nibbles[..., i].to(torch.int64) << (4 * i) for i in range(8))
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
+def random_int4(inp: int, out: int, group: int, seed: int, symmetric: bool = False):
+    """(q uint [in, out] in [0, 15], zeros [groups, out], fp16 scales [groups, out]) as AutoAWQ / GPTQ hold them."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (inp, out), generator=g)
+    zeros = torch.full((inp // group, out), 8) if symmetric else torch.randint(0, 16, (inp // group, out), generator=g)
+    scales = (torch.rand(inp // group, out, generator=g) * 0.02 + 0.005).half()
+    return q, zeros, scales
+
+
+def awq_pack(q: torch.Tensor, zeros: torch.Tensor) -> tuple:
+    """AutoAWQ GEMM: qweight [in, out/8], qzeros [groups, out/8], columns interleaved by AWQ_PACK_ORDER."""
+    def pack(t):
+        t = t.reshape(t.shape[0], -1, 8)
+        return _words(torch.stack([t[:, :, AWQ_PACK_ORDER[i]] for i in range(8)], dim=-1))
+    return pack(q), pack(zeros)
+
+
+def gptq_pack(q: torch.Tensor, zeros: torch.Tensor, v1: bool = True) -> tuple:
+    """GPTQ: qweight [in/8, out] packed along the input rows; qzeros [groups, out/8] along the columns, each stored
+    minus 1 in checkpoint_format "gptq" (v1), masked to 4 bits."""
+    qweight = _words(q.reshape(-1, 8, q.shape[1]).permute(0, 2, 1))
+    z = (zeros - 1) & 0xF if v1 else zeros
+    return qweight, _words(z.reshape(z.shape[0], -1, 8))
+
+
+def int4_reference(q, zeros, scales, g_idx) -> torch.Tensor:
+    """w [out, in] = (q - z[g_idx]) * s[g_idx], fp32 (AutoAWQ's and GPTQ's dequantization formula)."""
+    return ((q.float() - zeros[g_idx].float()) * scales[g_idx].float()).t()
+
+
+def int4_checkpoint(out, method: str, group: int = 32, sym: bool = False, act_order: bool = False, seed: int = 0):
+    """A tiny Llama whose linears are AutoAWQ GEMM (method "awq") or GPTQ v1 ("gptq") tensors; returns
+    {module: reference fp32 weight} and writes the float model with those weights to out/"float"."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_llama(seed)
+    model.save_pretrained(out)
+    tensors = load_file(out / "model.safetensors")
+    reference = {}
+    for i, name in enumerate(f"model.layers.{n}.{m}" for n in range(SMALL["num_hidden_layers"]) for m in LINEARS):
+        n_out, n_in = tensors.pop(f"{name}.weight").shape
+        q, zeros, scales = random_int4(n_in, n_out, group, seed=100 + i, symmetric=sym)
+        if method == "gptq":
+            zeros = zeros.clamp(min=1)  # v1 stores zero - 1 in 4 bits: a zero of 0 reads back as 16 (auto-gptq too)
+        g_idx = torch.arange(n_in) // group
+        if act_order:
+            g_idx = g_idx[torch.randperm(n_in, generator=torch.Generator().manual_seed(i))]
+        reference[name] = int4_reference(q, zeros, scales, g_idx)
+        if method == "awq":
+            qweight, qzeros = awq_pack(q, zeros)
+        else:
+            qweight, qzeros = gptq_pack(q, zeros)
+            tensors[f"{name}.g_idx"] = g_idx.to(torch.int32)
+        tensors.update({f"{name}.qweight": qweight, f"{name}.qzeros": qzeros, f"{name}.scales": scales})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = (
+        {"quant_method": "awq", "zero_point": True, "group_size": group, "bits": 4, "version": "gemm"}
+        if method == "awq" else
+        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": sym,
+         "checkpoint_format": "gptq"})
+    (out / "config.json").write_text(json.dumps(config))
+    copy_tokenizer(out)
+    state = model.state_dict()
+    state.update({f"{name}.weight": w for name, w in reference.items()})
+    model.load_state_dict(state)
+    return reference, model

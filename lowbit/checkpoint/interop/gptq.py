@@ -75,7 +75,7 @@ def unpack(path, name: str, qweight, qzeros, scales, offset: int):
     """-> q int16 [out, in] in [0, 15], zero int16 [out, groups] (offset added), scales [out, groups]."""
     check_dtype(f"{name}.qweight", qweight, torch.int32, path)
     check_dtype(f"{name}.qzeros", qzeros, torch.int32, path)
-    inp, out = 8 * qweight.shape[0], qweight.shape[1]
+    out = qweight.shape[1]
     if scales.dim() != 2 or scales.shape[1] != out:
         raise UserError(f"{path}: tensor {name}.scales has shape {tuple(scales.shape)}, expected (groups, {out})")
     check_shape(f"{name}.qzeros", qzeros, (scales.shape[0], -(-out // 8)), path)
