@@ -78,7 +78,7 @@ def _edit(path, drop=(), replace=None, config=None):
     ("gptq", dict(replace={f"{Q}.g_idx": torch.full((64,), 5, dtype=torch.int32)}),
      f"tensor {Q}.g_idx holds groups in \\[5, 5\\], outside \\[0, 2\\)"),
     ("gptq", dict(replace={f"{Q}.scales": torch.ones(2, 60, dtype=torch.float16)}), f"tensor {Q}.scales has shape"),
-    ("gptq", dict(config={"sym": True}), f"tensor .*qzeros holds zero points other than 8"),
+    ("gptq", dict(config={"sym": True}), "tensor .*qzeros holds zero points other than 8"),
     ("gptq", dict(config={"bits": 3}), "GPTQ with 3 bits"),
 ])
 def test_bad_input_fails_at_load_naming_the_tensor(method, edit, message, tmp_path):
@@ -87,3 +87,14 @@ def test_bad_input_fails_at_load_naming_the_tensor(method, edit, message, tmp_pa
     with pytest.raises(UserError, match=message) as err:
         checkpoint.read(tmp_path).tensors()
     assert "\n" not in str(err.value)
+
+
+def test_lowbit_models_shows_the_source_and_lowbit_formats(tmp_path):
+    from lowbit.models import describe
+
+    int4_checkpoint(tmp_path / "gptq", "gptq", sym=True)
+    int4_checkpoint(tmp_path / "awq", "awq")
+    assert describe(tmp_path / "gptq")["quantization"] == "gptq: W4A16_AWQ"
+    assert describe(tmp_path / "awq")["quantization"] == "awq: W4A16_ZP"
+    _edit(tmp_path / "awq", config={"version": "marlin"})
+    assert describe(tmp_path / "awq")["quantization"].startswith("unreadable: ")
