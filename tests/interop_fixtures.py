@@ -200,3 +200,31 @@ def int4_checkpoint(out, method: str, group: int = 32, sym: bool = False, act_or
     state.update({f"{name}.weight": w for name, w in reference.items()})
     model.load_state_dict(state)
     return reference, model
+
+
+# ---- a lowbit (modelopt layout) FP8 checkpoint, quantized by lowbit's own registry (no modelopt needed)
+def lowbit_fp8_checkpoint(out, fmt, kv_cache: bool = True, exclude=("lm_head",), seed: int = 0) -> None:
+    """Every linear but `exclude` in `fmt` (one shared input amax, so q/k/v and gate/up share input_scale), and FP8
+    KV scales, as modelopt's export lays them out."""
+    from safetensors.torch import load_file, save_file
+
+    from lowbit import formats
+    from lowbit.formats.layers import excluded
+
+    model = tiny_llama(seed)
+    model.save_pretrained(out)
+    tensors = load_file(out / "model.safetensors")
+    for name in [k.rsplit(".", 1)[0] for k in tensors if k.endswith("_proj.weight")]:
+        if any(excluded(name, p) for p in exclude):
+            continue
+        t = fmt.quantize(tensors.pop(f"{name}.weight"), x_amax=6.0, group=32)
+        tensors.update({f"{name}.{k}": v for k, v in t.items()})
+    quant = {"quant_algo": fmt.name, "exclude_modules": list(exclude),
+             "kv_cache_quant_algo": formats.KV_FP8.name if kv_cache else None}
+    if kv_cache:
+        for layer in range(SMALL["num_hidden_layers"]):
+            tensors[f"model.layers.{layer}.self_attn.k_proj.k_scale"] = torch.tensor(0.02)
+            tensors[f"model.layers.{layer}.self_attn.v_proj.v_scale"] = torch.tensor(0.03)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "hf_quant_config.json").write_text(json.dumps({"quantization": quant}))
+    copy_tokenizer(out)
