@@ -104,3 +104,11 @@ def test_export_format_refused_before_calibration_for_other_recipes():
         check_export_format("compressed-tensors", load_recipe("int4_awq"))
     with pytest.raises(UserError, match="'gguf' is not one of"):
         check_export_format("gguf", load_recipe("fp8"))
+
+
+def test_cli_refuses_an_unsupported_export_with_one_line(tmp_path, capsys):
+    from lowbit.cli import main
+
+    code = main(["quantize", "--recipe", "int4_awq", "--export-format", "compressed-tensors", "-o", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "compressed-tensors" in err and not (tmp_path / "x").exists()
