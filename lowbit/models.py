@@ -131,7 +131,23 @@ def describe(path: Path) -> dict:
         quant = q.get("quant_algo") or "none"
         if q.get("kv_cache_quant_algo"):
             quant += f" + {q['kv_cache_quant_algo']} KV"
+    elif (path / "config.json").is_file() and "quantization_config" in json.loads((path / "config.json").read_text()):
+        quant = foreign_quantization(path)
     return {"name": path.name, "path": str(path), "size_mb": round(size / 2**20, 1), "quantization": quant}
+
+
+def foreign_quantization(path: Path) -> str:
+    """A compressed-tensors / AutoAWQ / GPTQ entry: its quant_method and the lowbit formats it reads as (or why not)."""
+    from lowbit.checkpoint import read
+
+    try:
+        q = read(path).quant
+    except UserError as e:
+        return f"unreadable: {e}"
+    if q is None or "source" not in q:  # config.json's quantization_config of a modelopt checkpoint
+        return (q or {}).get("quant_algo") or "none"
+    text = f"{q['source']['quant_method']}: {'+'.join(q['source']['quant_algos'])}"
+    return text + (f" + {q['kv_cache_quant_algo']} KV" if q.get("kv_cache_quant_algo") else "")
 
 
 def list_models() -> list[dict]:

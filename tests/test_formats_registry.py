@@ -8,7 +8,7 @@ from lowbit import formats
 N, K = 64, 256
 # relative Frobenius error of dequantize(quantize(w)) against w for a N(0, 1) weight, by format
 TOLERANCE = {"bf16": 3e-3, "FP8": 0.035, "FP8_PER_CHANNEL_PER_TOKEN": 0.035, "W8A8_SQ_PER_CHANNEL": 0.01,
-             "W4A16_AWQ": 0.15, "NVFP4": 0.12, "W4A16_NVFP4": 0.12}
+             "W4A16_AWQ": 0.15, "NVFP4": 0.12, "W4A16_NVFP4": 0.12, "W4A16_ZP": 0.12}
 
 
 def weight(seed: int = 0, n: int = N, k: int = K) -> torch.Tensor:
@@ -24,11 +24,13 @@ def explicit_dequantize(name: str, t: dict) -> torch.Tensor:
         return w.float() * t["weight_scale"].float()
     if name in ("FP8_PER_CHANNEL_PER_TOKEN", "W8A8_SQ_PER_CHANNEL"):
         return w.float() * t["weight_scale"].float()[:, None]
-    if name == "W4A16_AWQ":
+    if name in ("W4A16_AWQ", "W4A16_ZP"):
         lo, hi = (w & 0xF).to(torch.int16), (w >> 4).to(torch.int16)
         q = torch.stack([lo, hi], dim=1).reshape(-1, w.shape[1])
         q = torch.where(q > 7, q - 16, q).float()
-        return q * t["weight_scale"].float().repeat_interleave(w.shape[1] // t["weight_scale"].shape[1], dim=1)
+        group = w.shape[1] // t["weight_scale"].shape[1]
+        zero = t["weight_zero_point"].float().repeat_interleave(group, dim=1) if name == "W4A16_ZP" else 0
+        return (q - zero) * t["weight_scale"].float().repeat_interleave(group, dim=1)
     codes = torch.stack([w & 0xF, w >> 4], dim=-1).reshape(w.shape[0], -1).long()
     mag = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])[codes & 7]
     values = torch.where(codes >= 8, -mag, mag)
@@ -178,6 +180,7 @@ def test_flags_the_kernels_read():
     assert [f.name for f in map(formats.get, formats.names()) if f.dynamic_per_token] == ["FP8_PER_CHANNEL_PER_TOKEN"]
     kernels = {n: formats.get(n).kernel for n in formats.names()}
     assert kernels == {"bf16": "dense", "FP8": "fp8", "FP8_PER_CHANNEL_PER_TOKEN": "fp8", "W8A8_SQ_PER_CHANNEL": "int8",
-                       "W4A16_AWQ": "int4", "NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4"}
+                       "W4A16_AWQ": "int4", "NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4",
+                       "W4A16_ZP": "int4"}
     assert {f.name for f in formats.calibrated()} == {"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "NVFP4", "W4A16_AWQ",
                                                       "W8A8_SQ_PER_CHANNEL"}

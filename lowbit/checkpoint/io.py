@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -26,6 +27,7 @@ class Checkpoint:
     quant: dict | None  # hf_quant_config.json["quantization"]; None for an unquantized model
     recipe: dict | None  # recipe.yaml, when lowbit wrote the checkpoint
     manifest: dict | None
+    convert: Callable[[dict], dict] | None = None  # a foreign format's tensors -> lowbit's (lowbit.checkpoint.interop)
 
     @property
     def quant_algo(self) -> str | None:
@@ -61,7 +63,7 @@ class Checkpoint:
         out = {}
         for f in self.weight_files:
             out.update(load_file(f, device=device))
-        return out
+        return out if self.convert is None else self.convert(out)
 
 
 def read(path) -> Checkpoint:
@@ -75,11 +77,24 @@ def read(path) -> Checkpoint:
     elif config.get("quantization_config", {}).get("quant_method") == "modelopt":
         quant = config["quantization_config"]
     elif "quantization_config" in config:
-        method = config["quantization_config"].get("quant_method")
-        raise UserError(f"{path}: quant_method {method!r} is not read by lowbit (modelopt checkpoints only)")
+        return _read_foreign(path, config)
     recipe = yaml.safe_load((path / RECIPE_FILE).read_text()) if (path / RECIPE_FILE).is_file() else None
     manifest = json.loads((path / MANIFEST).read_text()) if (path / MANIFEST).is_file() else None
     return Checkpoint(path, config, quant, recipe, manifest)
+
+
+def _read_foreign(path: Path, config: dict) -> Checkpoint:
+    """compressed-tensors, AutoAWQ and GPTQ checkpoints, seen through lowbit's formats (lowbit.checkpoint.interop)."""
+    from lowbit.checkpoint import interop
+
+    ckpt = Checkpoint(path, config, None, None, None)
+    foreign = interop.read(path, config, ckpt.weight_files)
+    if foreign is None:
+        method = config["quantization_config"].get("quant_method")
+        raise UserError(f"{path}: quant_method {method!r} is not read by lowbit "
+                        f"(modelopt, {', '.join(sorted(interop.READERS))})")
+    ckpt.quant, ckpt.convert = foreign.quant, foreign.convert
+    return ckpt
 
 
 def sha256(path: Path) -> str:

@@ -4,7 +4,7 @@ from typing import NamedTuple
 
 import torch
 
-TENSOR_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
+TENSOR_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "weight_zero_point")
 SHARED = ("input_scale", "pre_quant_scale", "weight_scale_2")  # must be equal in every merged part
 ROW_WISE = ("weight", "bias")  # concatenated along the output rows when parts merge
 

@@ -46,12 +46,29 @@ def with_calibration(recipe: Recipe, calib=None, num_samples=None, seq_len=None)
                             source=recipe.source)
 
 
+def check_export_format(export_format: str, recipe: Recipe) -> None:
+    """Refuses, before any calibration, an export format the recipe's scheme cannot be written in."""
+    from lowbit.errors import UserError
+
+    if export_format == "modelopt":
+        return
+    if export_format != "compressed-tensors":
+        raise UserError(f"--export-format {export_format!r} is not one of modelopt, compressed-tensors")
+    from lowbit.checkpoint.interop.export_compressed_tensors import SCHEMES
+
+    if recipe.quant_algo not in SCHEMES:
+        raise UserError(f"--export-format compressed-tensors: recipe {recipe.name} ({recipe.quant_algo}) is not "
+                        f"supported (only {', '.join(SCHEMES)})")
+
+
 def quantize(model: str = models.DEFAULT_MODEL, recipe="fp8", out=None, calib=None, num_samples=None, seq_len=None,
-             force: bool = False) -> QuantizeResult:
-    """Quantize `model` (store name, local HF dir or hub id) with `recipe` (name, path or Recipe) into `out`."""
+             force: bool = False, export_format: str = "modelopt") -> QuantizeResult:
+    """Quantize `model` (store name, local HF dir or hub id) with `recipe` (name, path or Recipe) into `out`.
+    export_format: "modelopt" (hf_quant_config.json) or "compressed-tensors" (FP8 recipes; what vLLM loads)."""
     t0 = time.time()
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     recipe = with_calibration(recipe, calib, num_samples, seq_len)
+    check_export_format(export_format, recipe)
     out = Path(out) if out else default_output(model, recipe)
     if out.exists() and not force:
         from lowbit.errors import UserError
@@ -70,7 +87,7 @@ def quantize(model: str = models.DEFAULT_MODEL, recipe="fp8", out=None, calib=No
 
     calibrate(hf_model, recipe, batches)
     quantized, excluded = count_layers(hf_model)
-    export(hf_model, tokenizer, recipe, out, source=str(model), force=force)
+    export(hf_model, tokenizer, recipe, out, source=str(model), force=force, export_format=export_format)
     from lowbit.checkpoint import read
 
     written = read(out)  # the truth on disk, e.g. MIXED_PRECISION when layers got different group sizes

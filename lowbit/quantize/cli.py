@@ -18,12 +18,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--num-samples", type=int, help="calibration sequences (overrides the recipe)")
     parser.add_argument("--seq-len", type=int, help="tokens per calibration sequence (overrides the recipe)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing output")
+    parser.add_argument("--export-format", default="modelopt", choices=["modelopt", "compressed-tensors"],
+                        help="checkpoint layout: modelopt (default) or compressed-tensors (fp8, fp8_dynamic recipes)")
 
 
 def run(args) -> int:
     import lowbit
 
     result = lowbit.quantize(args.model, recipe=args.recipe, out=args.out, calib=args.calib,
-                             num_samples=args.num_samples, seq_len=args.seq_len, force=args.force)
+                             num_samples=args.num_samples, seq_len=args.seq_len, force=args.force,
+                             export_format=args.export_format)
     print(result.summary())
     return 0
