@@ -40,7 +40,7 @@ def test_preset_names_and_shapes_fit_the_served_model(fmt):
 
 def test_tiny_mistral_engine_runs_the_bench_greedy_path():
     bench = load_bench()
-    args = bench.parse(["--tiny", "--device", "cpu", "--model", "mistral-7b"])
+    args = bench.parse(["--tiny", "--device", "cpu", "--model", "mistral-7b", "--phases", "check,formats"])
     engine = bench.build_engine(args, "fp8", max_batch_size=4, max_num_tokens=40, num_kv_blocks=64)
     assert isinstance(engine.runner.model, MistralForCausalLM)
     prompts = [bench.random_prompts(1, n, 512, seed=n)[0] for n in (3, 21, 50)]
@@ -53,5 +53,5 @@ def test_tiny_mistral_engine_runs_the_bench_greedy_path():
 @pytest.mark.parametrize("fmt", ["fp8", "int4_awq"])
 def test_mistral_kernels_and_graphs_match_reference_path_on_gpu(fmt):
     bench = load_bench()
-    res = bench.check_format(bench.parse(["--check-layers", "2", "--model", "mistral-7b"]), fmt)
+    res = bench.check_format(bench.parse(["--check-layers", "2", "--model", "mistral-7b", "--phases", "check"]), fmt)
     assert res["graph_used"] and res["pass"], res
