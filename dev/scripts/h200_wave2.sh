@@ -3,7 +3,8 @@
 # lacks: xgrammar and its pydantic, jsonschema, pytest; a store with the embedded model's tokenizer only):
 #   bash dev/scripts/h200_wave2.sh offload      # lowbit bench serve-prefix: TTFT of an evicted 8k prefix, host cache off/on
 #   bash dev/scripts/h200_wave2.sh tests        # the GPU tests: kernels + graphs vs the reference path, structured output
-#   bash dev/scripts/h200_wave2.sh families     # model families: engine check and serve figures (after issue 33 lands)
+#   bash dev/scripts/h200_wave2.sh checks       # window/softcap kernels; engine check on Gemma-3 and Mistral shapes; interop layouts
+#   bash dev/scripts/h200_wave2.sh families     # lowbit bench serve: Gemma-3-12B and Llama-3.1-8B shapes, FP8, batch 1 and max load
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LOWBIT_HOME=$PWD/.gpu/home OMP_NUM_THREADS=8
 OUT=${OUT:-out}
@@ -18,6 +19,20 @@ offload)
 tests)
     timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine_dummy.py tests/test_gpu_engine_graphs.py \
         tests/test_serve_structured.py -k "gpu or graphs or reference_path" 2>&1 | tail -25
+    ;;
+checks)
+    timeout 150 python3 dev/scripts/window_attention_check.py 2>&1 | tail -40
+    for m in gemma-3-12b mistral-7b; do
+        timeout 200 python3 -m lowbit.cli bench serve --model $m --phases check --formats fp8,int4_awq \
+            --json "$OUT/check_$m.json" 2>&1 | grep -E '^\[|Error|FAIL|PASS' | cut -c1-400
+    done
+    timeout 150 python3 dev/bench/interop_layouts.py --layers 4 --osl 128 2>&1 | tail -15
+    ;;
+families)
+    for m in gemma-3-12b llama-3.1-8b; do
+        timeout 280 python3 -m lowbit.cli bench serve --model $m --phases formats --formats fp8 --deadline-s 200 \
+            --json "$OUT/serve_$m.json" --markdown "$OUT/serve_$m.md" 2>&1 | grep -E '^\[|Error' | cut -c1-500
+    done
     ;;
 esac
 done
