@@ -203,10 +203,12 @@ class Fp32KvAttention(attn_mod.TorchAttentionBackend):
     rounded to bf16 first as the checkpoint reader's fake-quantized KV cache is."""
 
     @staticmethod
-    def attend(q, kv_cache, ctx, scale, k_scale, v_scale, out_scale=None):
+    def attend(q, kv_cache, ctx, scale, k_scale, v_scale, out_scale=None, sliding_window=None, logit_softcap=None):
+        win = dict(sliding_window=sliding_window, logit_softcap=logit_softcap)
         if kv_cache.dtype != torch.float8_e4m3fn:
-            return attn_mod.TorchAttentionBackend.attend(q, kv_cache, ctx, scale, k_scale, v_scale, out_scale)
-        out = attn_mod.TorchAttentionBackend.attend(q.float(), kv_cache, ctx, scale, k_scale, v_scale).to(q.dtype)
+            return attn_mod.TorchAttentionBackend.attend(q, kv_cache, ctx, scale, k_scale, v_scale, out_scale, **win)
+        out = attn_mod.TorchAttentionBackend.attend(q.float(), kv_cache, ctx, scale, k_scale, v_scale,
+                                                    **win).to(q.dtype)
         return out if out_scale is None else quantize_fp8_ref(out, out_scale)
 
 

@@ -76,7 +76,7 @@ def unpack_nibbles(words: torch.Tensor, dim: int, order: tuple = tuple(range(8))
 
     order[j]: the nibble slot (bits 4*slot) that holds element 8*w + j of word w (natural order: slot j)."""
     w = words.to(torch.int64) & 0xFFFFFFFF
-    shifts = 4 * torch.tensor(order, dtype=torch.int64)
+    shifts = 4 * torch.tensor(order, dtype=torch.int64, device=w.device)
     w = w.movedim(dim, -1)
     u = ((w.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8).flatten(-2)
     return u.movedim(-1, dim).contiguous()

@@ -145,7 +145,7 @@ def _int8(path, name, t: dict) -> dict:
     check_dtype(f"{name}.weight", w, torch.int8, path)
     return {"weight": w, "weight_scale": _row_scale(path, name, t, w.shape[0]),
             "input_scale": _scalar(f"{name}.input_scale", take(t, f"{name}.input_scale", path), path),
-            "pre_quant_scale": torch.ones(w.shape[1])}
+            "pre_quant_scale": torch.ones(w.shape[1], device=w.device)}
 
 
 def _int4(path, name, t: dict, asymmetric: bool = False) -> dict:

@@ -52,7 +52,7 @@ def _check_g_idx(path, name: str, g_idx, inp: int, group: int, scale_shape) -> b
     if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
         raise UserError(f"{path}: tensor {name}.g_idx holds groups in [{int(g_idx.min())}, {int(g_idx.max())}], "
                         f"outside [0, {groups})")
-    return torch.equal(g_idx.long(), torch.arange(inp) // group)
+    return torch.equal(g_idx.long(), torch.arange(inp, device=g_idx.device) // group)
 
 
 def convert(path, plan: dict, sym: bool, offset: int, tensors: dict) -> dict:

@@ -26,7 +26,7 @@ class HostCache:
         c = self.caches[0]
         self.device = c.device
         self.block_elems = c[0, 0].numel()  # one block's K (or V) of one layer
-        self.pool = torch.empty(num_slots, len(caches), 2, self.block_elems, dtype=c.dtype,
+        self.pool = torch.empty(num_slots, len(caches), 2, self.block_elems, dtype=c.dtype, device="cpu",
                                 pin_memory=self.device.type == "cuda")
         self.chunk = max(1, STAGING_BYTES // (self.pool[0].numel() * c.element_size()))
 
@@ -55,7 +55,7 @@ class HostCache:
 
     def _index(self, ids: list[int]) -> torch.Tensor:
         """ids on the device without waiting for the stream (through pinned memory on CUDA)."""
-        t = torch.tensor(ids, dtype=torch.int64)
+        t = torch.tensor(ids, dtype=torch.int64, device="cpu")  # host-side, whatever the default device
         return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def _offload(self, moves: list[tuple[int, int]]) -> None:
