@@ -130,6 +130,16 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Gives back the blocks past the first num_tokens tokens (speculative decoding's rejected drafts). Those
+        blocks hold no computed token of seq's history, so they are unhashed and seq's table only shrinks at its
+        end."""
+        keep = max(self._blocks_for(num_tokens), seq.num_hashed_blocks)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            assert self.blocks[block_id].hash is None or self.blocks[block_id].ref_count > 1
+            self._unref(block_id)
+
     def commit(self, seq: Sequence) -> None:
         """Make the full, computed blocks of seq findable by later prefixes."""
         if not self.enable_prefix_caching:
