@@ -10,6 +10,7 @@ from lowbit.serve.engine.block_manager import BlockManager
 from lowbit.serve.engine.config import EngineConfig
 from lowbit.serve.engine.sampling_params import SamplingParams
 from lowbit.serve.engine.sequence import Sequence
+from lowbit.serve.runner.block_tables import BlockTables
 from lowbit.serve.runner.sampler import Sampler, truncate
 from lowbit.serve.spec.ngram import lookup
 from lowbit.serve.spec.verify import emitted, verify
@@ -178,6 +179,11 @@ def test_truncate_gives_back_rejected_blocks_and_keeps_refcounts():
     bm.truncate(a, 12)  # 2 accepted: 12 tokens -> 3 blocks
     assert len(a.block_table) == 3 and bm.num_used_blocks == 4
     assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
+    tables = BlockTables(2, 4)
+    tables.gather([a])
+    bm.truncate(a, 9)  # the runner's cached row is rewritten when the table regrows with other blocks
+    bm.append(a, 5)
+    assert tables.gather([a])[0, :len(a.block_table)].tolist() == a.block_table
     bm.deallocate(a)
     bm.deallocate(b)
     assert bm.num_used_blocks == 0 and all(blk.ref_count == 0 for blk in bm.blocks)
