@@ -176,13 +176,12 @@ def test_truncate_gives_back_rejected_blocks_and_keeps_refcounts():
     bm.allocate(b, matched, 2)
     bm.append(a, 7)  # room for 7 drafted tokens: 17 tokens -> 5 blocks
     assert len(a.block_table) == 5 and bm.num_used_blocks == 6
+    tables = BlockTables(2, 4)
+    tables.gather([a])  # the runner caches a's row
     bm.truncate(a, 12)  # 2 accepted: 12 tokens -> 3 blocks
     assert len(a.block_table) == 3 and bm.num_used_blocks == 4
     assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
-    tables = BlockTables(2, 4)
-    tables.gather([a])
-    bm.truncate(a, 9)  # the runner's cached row is rewritten when the table regrows with other blocks
-    bm.append(a, 5)
+    bm.append(a, 5)  # regrown with another block: the cached row is rewritten
     assert tables.gather([a])[0, :len(a.block_table)].tolist() == a.block_table
     bm.deallocate(a)
     bm.deallocate(b)
