@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     plain_tps, plain = batch1(engine, args, prompt, speculate=False)
     spec_tps, spec = batch1(engine, args, prompt, speculate=True)
     s = engine.spec
-    emit({"bench": "spec-batch1", "model": model, "format": args.format, "num_draft_tokens": args.num_draft_tokens,
+    emit({"bench": "spec-batch1", "model": model, "format": "checkpoint's" if args.model else args.format, "num_draft_tokens": args.num_draft_tokens,
           "output_len": args.output_len, "plain_tok_s": plain_tps, "ngram_tok_s": spec_tps,
           "speedup": spec_tps / plain_tps, "acceptance_rate": s.num_accepted / s.num_drafted if s.num_drafted else 0.0,
           "accepted_per_step": s.num_accepted / s.num_verified if s.num_verified else 0.0,

@@ -100,5 +100,4 @@ def make_decoder(config: EngineConfig, target_runner=None) -> SpecDecoder | None
     if config.speculative == "ngram":
         from lowbit.serve.spec.ngram import NgramDrafter
         return SpecDecoder(NgramDrafter(config.ngram_size), config)
-    from lowbit.serve.spec.draft_model import DraftModelDrafter
-    return SpecDecoder(DraftModelDrafter(config, target_runner), config)
+    raise ValueError(f"speculative: draft (draft_model {config.draft_model!r}) is not implemented yet; use ngram")
