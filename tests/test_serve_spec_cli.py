@@ -34,3 +34,21 @@ def test_bad_settings_are_one_error_line():
                              text=True, timeout=60)
         assert bad.returncode == 2
         assert bad.stderr.strip().splitlines() == [line]
+
+
+def test_llm_with_ngram_speculation_quotes_real_text_identically():
+    """`LLM(NAME, speculative="ngram")` on the embedded model: a prompt asking to repeat a passage gets the same
+    greedy tokens as without speculation, and most drafts are accepted."""
+    from lowbit.models import DEFAULT_MODEL
+    from lowbit.serve import LLM, SamplingParams
+
+    passage = "The committee agreed to fund the new library wing and to delay the road repairs until spring."
+    prompt = f"Passage: {passage}\nRepeat it word for word.\nPassage: {passage}\nAgain:\nPassage:"
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    plain = LLM(DEFAULT_MODEL, num_kv_blocks=64).generate(prompt, params)[0].outputs[0]
+    llm = LLM(DEFAULT_MODEL, num_kv_blocks=64, speculative="ngram", num_draft_tokens=4)
+    spec = llm.generate(prompt, params)[0].outputs[0]
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text
+    s = llm.engine.spec
+    assert s.num_accepted / s.num_drafted > 0.5
+    assert llm.engine.block_manager.num_used_blocks == 0
