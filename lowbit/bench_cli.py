@@ -13,6 +13,7 @@ BENCHES = {
     "serve-prefix": "serve_prefix",  # TTFT of a long prefix evicted from the device: recomputed vs host cache
     "serve-load": "serve_load",  # concurrent streaming clients against `lowbit serve` (loopback)
     "engine-overhead": "engine_overhead",  # the engine's host work per step, model forward stubbed (CPU)
+    "spec": "spec",  # speculative decoding: verify-step cost for k = 1..8, batch-1 n-gram tok/s (GPU; --tiny on CPU)
     "cpu": "cpu",  # the CPU engine vs transformers generate and HFLM-style scoring, same model and threads (CPU)
 }
 

@@ -130,6 +130,18 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Gives back the blocks past the first num_tokens tokens (speculative decoding's rejected drafts). Those
+        blocks hold no computed token of seq's history, so they are unhashed. A shorter table is a new list (held
+        tables only grow: runner/block_tables.py rewrites a row when its list changes)."""
+        keep = max(self._blocks_for(num_tokens), seq.num_hashed_blocks)
+        if len(seq.block_table) <= keep:
+            return
+        for block_id in reversed(seq.block_table[keep:]):
+            assert self.blocks[block_id].hash is None
+            self._unref(block_id)
+        seq.block_table = seq.block_table[:keep]
+
     def commit(self, seq: Sequence) -> None:
         """Make the full, computed blocks of seq findable by later prefixes."""
         if not self.enable_prefix_caching:

@@ -19,6 +19,11 @@ class EngineConfig:
     seed: int = 0  # seeds requests that give no seed of their own
     overlap_steps: bool | None = None  # host prepares step n+1 while the device runs step n (default: on GPU)
     host_cache_size: int | str = 0  # bytes of host memory for evicted prefix blocks (0: off); "4GiB" works too
+    speculative: str | None = None  # drafter: "ngram" (prompt lookup) or "draft" (draft_model); None: off
+    num_draft_tokens: int = 4  # tokens drafted per sequence and step (k)
+    ngram_size: int = 3  # ngram: the longest suffix looked up in the sequence's history
+    draft_model: str | None = None  # draft: store name or directory of a model with the target's vocabulary
+    speculative_max_batch_size: int = 16  # speculation turns itself off for larger decode batches
 
     def __post_init__(self):
         positive = ["max_batch_size", "max_num_tokens", "block_size"]
@@ -31,8 +36,22 @@ class EngineConfig:
             if not (isinstance(value, bool) or value is None and name == "overlap_steps"):
                 raise ValueError(f"{name} must be true or false, got {value!r}")
         self.host_cache_size = parse_bytes("host_cache_size", self.host_cache_size)
+        self._check_speculative()
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative must be ngram, draft or none, got {self.speculative!r}")
+        for name in ("num_draft_tokens", "ngram_size", "speculative_max_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("speculative: draft needs draft_model (a store name or checkpoint directory)")
+        if self.draft_model and self.speculative != "draft":
+            raise ValueError(f"draft_model {self.draft_model!r} is set but speculative is {self.speculative!r}, "
+                             f"not 'draft'")
 
     @classmethod
     def from_dict(cls, values: dict) -> "EngineConfig":

@@ -22,6 +22,7 @@ from lowbit.serve.engine.sampling_params import SamplingParams
 from lowbit.serve.engine.scheduler import Batch, Scheduler
 from lowbit.serve.engine.sequence import PENDING, Sequence
 from lowbit.serve.engine import structured
+from lowbit.serve.spec.decoder import make_decoder
 
 
 class ContextLengthError(ValueError):
@@ -108,6 +109,7 @@ class Engine:
         self.in_flight: InFlight | None = None
         self.scoring: set[str] = set()  # requests whose prompt steps need the logits on the host (_scores_prompt)
         self._seed = random.Random(self.config.seed)
+        self.spec = make_decoder(self.config, self.runner)  # speculative decoding (None: off)
         self._grammars: structured.Grammars | None = None
         self.constrained: set[str] = set()  # requests with a grammar: their steps run without overlap
         _freeze_startup_heap()
@@ -179,6 +181,10 @@ class Engine:
         meanwhile: the host schedules and prepares step n+1 while the device computes step n."""
         batch = self.scheduler.schedule()
         self.runner.move_blocks(self.block_manager.take_moves())  # host-pool copies, before any forward reads them
+        if batch is not None and self._speculates(batch):
+            outputs = self._resolve()  # drafts need every sequence's newest token on the host
+            batch = _without_finished(batch)
+            return outputs + (self.spec.step(self, batch) if batch is not None else [])
         if batch is not None and (not self.overlap or self._scores_prompt(batch) or self._is_constrained(batch)):
             outputs = self._resolve()  # the in-flight tokens may finish sequences of this batch
             batch = _without_finished(batch)
@@ -195,6 +201,11 @@ class Engine:
         max_tokens=0 request (its prompt is all it computes)."""
         return bool(self.scoring) and any(s.request_id in self.scoring and s.num_computed_tokens < s.num_prompt_tokens
                                           for s in batch.seqs)
+
+    def _speculates(self, batch: Batch) -> bool:
+        """Whether this step drafts and verifies: speculation on, a pure-decode batch within its auto-off size, no
+        grammar (a mask needs each token before it)."""
+        return self.spec is not None and self.spec.applies(batch) and not self._is_constrained(batch)
 
     def _is_constrained(self, batch: Batch) -> bool:
         """Whether a sequence of the batch follows a grammar: its mask needs the token before, so its steps run at
@@ -383,7 +394,8 @@ class Engine:
                 "lowbit_host_cache_offloaded_blocks_total": (bm.num_offloaded, "KV blocks copied to the host cache."),
                 "lowbit_host_cache_restored_blocks_total": (bm.num_restored, "KV blocks copied back from it."),
                 "lowbit_host_cache_bytes_used": (bm.host.num_used * self.runner.host_cache.bytes_per_slot
-                                                 if bm.host else 0, "Host memory holding offloaded KV blocks.")}
+                                                 if bm.host else 0, "Host memory holding offloaded KV blocks.")} \
+            | (self.spec.gauges() if self.spec is not None else {})
 
 
 def _score_prompt_rows(logits: torch.Tensor, scored: list[tuple[Sequence, list[int], list[int]]]) -> None:

@@ -13,6 +13,7 @@ EXAMPLES = """examples:
   LOWBIT_API_KEY=secret lowbit serve smollm2-135m-fp8 --port 8001   # or --api-key-file key.txt
   lowbit serve ./my-checkpoint --max-batch-size 32 --max-num-tokens 1024
   lowbit serve smollm2-135m --config extra.yaml    # any EngineConfig field, e.g. num_kv_blocks: 512
+  lowbit serve smollm2-135m --speculative ngram --num-draft-tokens 4
 
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8}'
@@ -29,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of free GPU memory (default 0.9) or available RAM on CPU (default 0.05) for KV")
     parser.add_argument("--host-cache-size", metavar="BYTES",
                         help="host memory for KV blocks evicted from the prefix cache, e.g. 16GiB (default 0: off)")
+    parser.add_argument("--speculative", choices=["ngram", "draft"],
+                        help="speculative decoding: n-gram prompt lookup, or a draft model (--draft-model)")
+    parser.add_argument("--draft-model", metavar="NAME", help="the drafting model (same vocabulary as NAME)")
+    parser.add_argument("--num-draft-tokens", type=int, metavar="K", help="tokens drafted per step (default 4)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (visible in the "
                         "process list: prefer --api-key-file or $LOWBIT_API_KEY)")
     parser.add_argument("--api-key-file", type=Path, metavar="PATH", help="read the key from the first line of PATH")

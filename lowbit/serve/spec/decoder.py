@@ -1,0 +1,103 @@
+"""One speculative step of the engine: draft, verify in one forward over the paged KV, emit, roll back the rest."""
+import time
+
+from lowbit.serve.engine.config import EngineConfig
+from lowbit.serve.engine.scheduler import Batch
+from lowbit.serve.engine.sequence import Sequence
+from lowbit.serve.spec.verify import verify
+
+
+class SpecDecoder:
+    """Owns the drafter and the acceptance counters; `Engine.step` hands it pure-decode batches (`applies`)."""
+
+    def __init__(self, drafter, config: EngineConfig):
+        self.drafter = drafter
+        self.k = config.num_draft_tokens
+        self.max_batch_size = config.speculative_max_batch_size
+        self.num_steps = 0  # verify steps run
+        self.num_verified = 0  # (sequence, verify step) pairs that had a draft
+        self.num_drafted = 0  # tokens proposed
+        self.num_accepted = 0  # of those, tokens the target agreed with
+
+    def applies(self, batch: Batch) -> bool:
+        """Pure decode (one token per sequence, none in prefill) and no larger than the auto-off batch size."""
+        return batch.is_decode and len(batch.seqs) <= self.max_batch_size
+
+    def step(self, engine, batch: Batch) -> list:
+        """Runs `batch` (pure decode, every newest token on the host) with drafts; the engine's RequestOutputs."""
+        drafts = self._drafts(engine, batch)
+        if not any(drafts):
+            return engine._step_now(batch)
+        seqs = batch.seqs
+        first = [s.num_tokens for s in seqs]  # position of the first token this step emits, per sequence
+        for seq, d in zip(seqs, drafts):
+            seq.token_ids.extend(d)
+        try:
+            counts = [len(d) + 1 for d in drafts]
+            logits = engine.runner.run(Batch(seqs, counts), [list(range(n)) for n in counts])
+        finally:
+            for seq, n in zip(seqs, first):
+                del seq.token_ids[n:]
+        reqs = [engine.requests[s.request_id] for s in seqs]
+        results = verify(engine.sampler, logits, drafts, [s.params for s in seqs], [q.seed for q in reqs], first)
+        now, num_emitted = time.monotonic(), 0
+        for seq, request, d, n, (tokens, logprobs) in zip(seqs, reqs, drafts, first, results):
+            self.num_verified += bool(d)
+            self.num_drafted += len(d)
+            self.num_accepted += len(tokens) - 1
+            for token, logprob in zip(tokens, logprobs):
+                engine._append(seq, request, token, logprob, now)
+                num_emitted += 1
+                if seq.is_finished:  # its blocks are freed
+                    break
+            if not seq.is_finished:
+                _roll_back(engine, seq, n + len(tokens) - 1)
+        self.num_steps += 1
+        engine.metrics.on_step(num_emitted)
+        return [engine._output(s) for s in seqs if s.is_finished or engine.requests[s.request_id].stream]
+
+    def _drafts(self, engine, batch: Batch) -> list[list[int]]:
+        """Per sequence, the drafted tokens: at most k, fewer near max_tokens (the step emits one more than it
+        accepts) and within the step's token budget; none when the pool has no blocks for them."""
+        bm, budget = engine.block_manager, engine.config.max_num_tokens - len(batch.seqs)
+        limits = []
+        for seq in batch.seqs:
+            left = engine.requests[seq.request_id].max_tokens - seq.num_completion_tokens - 1
+            limits.append(max(0, min(self.k, left, budget)))
+            budget -= limits[-1]
+        drafts = self.drafter.propose(batch.seqs, limits)
+        for i, (seq, d) in enumerate(zip(batch.seqs, drafts)):
+            if d and not bm.has_room(seq, len(d) + 1):
+                if bm.can_append(seq, len(d) + 1):
+                    bm.append(seq, len(d) + 1)
+                else:
+                    drafts[i] = []
+        return drafts
+
+    def gauges(self) -> dict[str, tuple[float, str]]:
+        rate = self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+        mean = self.num_accepted / self.num_verified if self.num_verified else 0.0
+        return {"lowbit_spec_draft_tokens_total": (self.num_drafted, "Tokens proposed by the drafter."),
+                "lowbit_spec_accepted_tokens_total": (self.num_accepted, "Drafted tokens the target accepted."),
+                "lowbit_spec_acceptance_rate": (rate, "Accepted / drafted tokens."),
+                "lowbit_spec_accepted_tokens_mean": (mean, "Accepted tokens per sequence and verify step with a "
+                                                     "draft.")}
+
+
+def _roll_back(engine, seq: Sequence, num_computed: int) -> None:
+    """After a verify step: the K/V of the first num_computed tokens (the newest before the step and the accepted
+    drafts) are valid; the rejected drafts' slots are overwritten before any step reads them. Blocks past the
+    sequence's tokens go back to the pool; only full blocks of accepted tokens become findable by prefix reuse."""
+    seq.num_computed_tokens = num_computed
+    engine.block_manager.truncate(seq, seq.num_tokens)
+    engine.scheduler.commit_full_blocks([seq])
+
+
+def make_decoder(config: EngineConfig, target_runner=None) -> SpecDecoder | None:
+    """The decoder for config.speculative (None: off)."""
+    if config.speculative is None:
+        return None
+    if config.speculative == "ngram":
+        from lowbit.serve.spec.ngram import NgramDrafter
+        return SpecDecoder(NgramDrafter(config.ngram_size), config)
+    raise ValueError(f"speculative: draft (draft_model {config.draft_model!r}) is not implemented yet; use ngram")
