@@ -19,9 +19,10 @@ class EngineConfig:
     seed: int = 0  # seeds requests that give no seed of their own
     overlap_steps: bool | None = None  # host prepares step n+1 while the device runs step n (default: on GPU)
     host_cache_size: int | str = 0  # bytes of host memory for evicted prefix blocks (0: off); "4GiB" works too
+    tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over; > 1: no overlap, no graphs
 
     def __post_init__(self):
-        positive = ["max_batch_size", "max_num_tokens", "block_size"]
+        positive = ["max_batch_size", "max_num_tokens", "block_size", "tensor_parallel_size"]
         for name in positive + ["max_model_len", "num_kv_blocks", "kv_cache_max_tokens"]:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -30,6 +31,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not (isinstance(value, bool) or value is None and name == "overlap_steps"):
                 raise ValueError(f"{name} must be true or false, got {value!r}")
+        if self.tensor_parallel_size > 1 and self.overlap_steps:
+            raise ValueError("overlap_steps is not supported with tensor_parallel_size > 1")
         self.host_cache_size = parse_bytes("host_cache_size", self.host_cache_size)
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
