@@ -136,8 +136,8 @@ class TensorParallelRunner:
         if self.group is not None and self.failure is None and alive and len(alive) == len(self._procs):
             try:
                 self.group.broadcast(worker.STOP)
-            except RuntimeError:  # a rank is gone: it is killed below
-                pass
+            except RuntimeError as e:  # a rank went away meanwhile: recorded; the rest are killed below
+                self.failure = f"tensor parallelism failed while stopping: {str(e).splitlines()[0]}"
         for p in self._procs:
             p.join(timeout=JOIN_S if p.is_alive() else 0)
             if p.is_alive():
