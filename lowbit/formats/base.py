@@ -7,6 +7,12 @@ import torch
 TENSOR_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale", "weight_zero_point")
 SHARED = ("input_scale", "pre_quant_scale", "weight_scale_2")  # must be equal in every merged part
 ROW_WISE = ("weight", "bias")  # concatenated along the output rows when parts merge
+# Tensor parallelism: on-disk suffix -> (dim split with a linear's output rows, dim split with its input features);
+# None: the tensor is replicated on every rank. A one-element tensor is a per-tensor scale and always replicated.
+# A split dim must divide by the ranks, so packed nibbles, per-group scales and zero points never straddle two ranks.
+SHARD_DIMS = {"weight": (0, 1), "bias": (0, None), "weight_scale": (0, None), "weight_scale_2": (None, None),
+              "input_scale": (None, None), "pre_quant_scale": (None, 0), "weight_zero_point": (0, 1)}
+GROUP_SHARD_DIMS = dict(SHARD_DIMS, weight_scale=(0, 1))  # weight_scale [out, in / group]: split with either
 
 # how a format quantizes a linear's input activations
 ACT_NONE = "none"  # weight-only
@@ -47,6 +53,7 @@ class Format:
     static_fp8_input: bool = False  # a producer (norm, silu) may hand this layer float8 input, x_true = x * input_scale
     dynamic_per_token: bool = False  # input_scale, if the checkpoint has one, is ignored
     calibration: Calibration | None = None  # None: lowbit reads and serves it but does not make it
+    shard_dims: dict = SHARD_DIMS  # how tensor parallelism splits each on-disk tensor (SHARD_DIMS above)
 
     def __repr__(self) -> str:
         return f"Format({self.name})"

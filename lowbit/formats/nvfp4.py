@@ -6,7 +6,7 @@ Hopper has no FP4 tensor cores: lowbit's kernels serve NVFP4 there weight-only (
 """
 import torch
 
-from lowbit.formats.base import ACT_BLOCK, Calibration, Format, Tensors, register
+from lowbit.formats.base import ACT_BLOCK, GROUP_SHARD_DIMS, Calibration, Format, Tensors, register
 from lowbit.formats.numerics import (E2M1_MAX, FP8_MAX, NVFP4_BLOCK, amax, fake_quant_nvfp4, nvfp4_dequantize,
                                      nvfp4_quantize, pack_e2m1, unpack_e2m1)
 
@@ -17,6 +17,7 @@ class Nvfp4(Format):
     weight_only = False
     activation = ACT_BLOCK
     kernel = "nvfp4"
+    shard_dims = GROUP_SHARD_DIMS  # per-group scales split with the input features too
     calibration = Calibration("NVFP4_DEFAULT_CFG", ("max",), block=NVFP4_BLOCK)
 
     def shape(self, t: dict) -> tuple[int, int]:

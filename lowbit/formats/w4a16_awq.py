@@ -8,7 +8,7 @@ the same layout without pre_quant_scale.
 """
 import torch
 
-from lowbit.formats.base import Calibration, Format, Tensors, register
+from lowbit.formats.base import GROUP_SHARD_DIMS, Calibration, Format, Tensors, register
 from lowbit.formats.numerics import INT4_MAX, amax, pack_int4_rows, unpack_int4_rows
 
 
@@ -16,6 +16,7 @@ class W4A16Awq(Format):
     name = "W4A16_AWQ"
     tensors = Tensors(("weight", "weight_scale"), ("pre_quant_scale",))
     kernel = "int4"
+    shard_dims = GROUP_SHARD_DIMS  # per-group scales split with the input features too
     calibration = Calibration("INT4_AWQ_CFG", ("awq_lite", "rtn"), {"rtn": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"},
                               group_required=True)
 

@@ -8,7 +8,7 @@ a layer is dequantized once at load and runs as a bf16 GEMM (lowbit.kernels.line
 """
 import torch
 
-from lowbit.formats.base import Format, Tensors, register
+from lowbit.formats.base import GROUP_SHARD_DIMS, Format, Tensors, register
 from lowbit.formats.numerics import pack_int4_rows, unpack_int4_rows
 
 ZERO_POINT = "weight_zero_point"
@@ -18,6 +18,7 @@ class W4A16ZeroPoint(Format):
     name = "W4A16_ZP"
     tensors = Tensors(("weight", "weight_scale", ZERO_POINT))
     kernel = "int4"
+    shard_dims = GROUP_SHARD_DIMS  # per-group scales split with the input features too
 
     def shape(self, t: dict) -> tuple[int, int]:
         rows, inp = t["weight"].shape

@@ -15,6 +15,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = count()
 
+    def close(self) -> None:
+        """Stops the engine's other processes (tensor_parallel_size > 1); the LLM cannot generate afterwards."""
+        self.engine.close()
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either. Returns outputs in prompt order."""

@@ -55,7 +55,8 @@ STD = 0.02  # HF's initializer_range: keeps 32 random layers finite and the logi
 
 
 def dummy_checkpoint(fmt: str = "bf16", config: dict | None = None, seed: int = 0, device="cuda",
-                     max_position_embeddings: int | None = None) -> "DummyCheckpoint":
+                     max_position_embeddings: int | None = None, std: float = STD) -> "DummyCheckpoint":
+    """std: the linear weights' standard deviation (larger: each layer moves the logits more, for small tests)."""
     if fmt not in FORMATS:
         raise ValueError(f"dummy format {fmt!r} is not one of {sorted(FORMATS)}")
     config = dict(config or LLAMA_3_1_8B)
@@ -64,13 +65,14 @@ def dummy_checkpoint(fmt: str = "bf16", config: dict | None = None, seed: int = 
     algo, kv_algo = FORMATS[fmt]
     quant = None if algo is None else {"quant_algo": algo, "kv_cache_quant_algo": kv_algo,
                                        "exclude_modules": ["lm_head"], "group_size": 128}
-    return DummyCheckpoint(Path(f"dummy-{fmt}"), config, quant, None, None, seed=seed, device=torch.device(device))
+    return DummyCheckpoint(Path(f"dummy-{fmt}"), config, quant, None, None, seed=seed, device=torch.device(device),
+                           std=std)
 
 
 class DummyCheckpoint(Checkpoint):
-    def __init__(self, path, config, quant, recipe, manifest, seed: int, device: torch.device):
+    def __init__(self, path, config, quant, recipe, manifest, seed: int, device: torch.device, std: float = STD):
         super().__init__(path, config, quant, recipe, manifest)
-        self.seed, self.device = seed, device
+        self.seed, self.device, self.std = seed, device, std
 
     def tensors(self, device: str = "cpu") -> "LazyTensors":
         return LazyTensors(self)
@@ -113,10 +115,11 @@ class LazyTensors(Mapping):
         if module == "model.embed_tokens":
             return {"weight": torch.randn(c["vocab_size"], c["hidden_size"], generator=g, device=dev)}
         out_f, in_f = _linear_shape(c, module)
-        w = STD * torch.randn(out_f, in_f, generator=g, device=dev)
+        std = self.ckpt.std
+        w = std * torch.randn(out_f, in_f, generator=g, device=dev)
         algo = self.ckpt.layer_algo(module)
         # NVFP4: one weight_scale_2 for every layer, so q/k/v and gate/up share it as in modelopt's export
-        tensors = {"weight": w.to(torch.bfloat16)} if algo is None else quantize_linear(algo, w, w_amax=8 * STD)
+        tensors = {"weight": w.to(torch.bfloat16)} if algo is None else quantize_linear(algo, w, w_amax=8 * std)
         if self.ckpt.kv_format is not None and module.endswith((".k_proj", ".v_proj")):
             kind = module[-6]  # "k" or "v"
             tensors[f"{kind}_scale"] = torch.tensor(0.05 if kind == "k" else 0.01, device=dev)  # amax 22.4 / 4.5

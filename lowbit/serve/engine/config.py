@@ -24,9 +24,10 @@ class EngineConfig:
     ngram_size: int = 3  # ngram: the longest suffix looked up in the sequence's history
     draft_model: str | None = None  # draft: store name or directory of a model with the target's vocabulary
     speculative_max_batch_size: int = 16  # speculation turns itself off for larger decode batches
+    tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over; > 1: no overlap, no graphs
 
     def __post_init__(self):
-        positive = ["max_batch_size", "max_num_tokens", "block_size"]
+        positive = ["max_batch_size", "max_num_tokens", "block_size", "tensor_parallel_size"]
         for name in positive + ["max_model_len", "num_kv_blocks", "kv_cache_max_tokens"]:
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -35,6 +36,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not (isinstance(value, bool) or value is None and name == "overlap_steps"):
                 raise ValueError(f"{name} must be true or false, got {value!r}")
+        if self.tensor_parallel_size > 1 and self.overlap_steps:
+            raise ValueError("overlap_steps is not supported with tensor_parallel_size > 1")
         self.host_cache_size = parse_bytes("host_cache_size", self.host_cache_size)
         self._check_speculative()
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 1:

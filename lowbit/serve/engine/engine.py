@@ -69,6 +69,12 @@ class InFlight:
         return tokens, self.logprobs.entries(len(tokens), *logprobs) if self.logprobs else [None] * len(tokens)
 
 
+def _tensor_parallel_runner(ckpt, config: EngineConfig):
+    from lowbit.serve.distributed.runner import TensorParallelRunner
+
+    return TensorParallelRunner(ckpt, config)
+
+
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
@@ -91,7 +97,8 @@ class Engine:
         self.path = models.resolve(str(model)) if ckpt is None else ckpt.path
         self.name = str(model)
         ckpt = ckpt or checkpoint.read(self.path)
-        self.runner = ModelRunner(ckpt, self.config)
+        self.runner = ModelRunner(ckpt, self.config) if self.config.tensor_parallel_size == 1 else \
+            _tensor_parallel_runner(ckpt, self.config)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(self.path)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching, self.runner.num_host_blocks,
@@ -105,7 +112,7 @@ class Engine:
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self.overlap = self.config.overlap_steps if self.config.overlap_steps is not None else \
-            self.runner.device.type == "cuda"
+            self.runner.device.type == "cuda" and self.config.tensor_parallel_size == 1
         self.in_flight: InFlight | None = None
         self.scoring: set[str] = set()  # requests whose prompt steps need the logits on the host (_scores_prompt)
         self._seed = random.Random(self.config.seed)
@@ -113,6 +120,10 @@ class Engine:
         self._grammars: structured.Grammars | None = None
         self.constrained: set[str] = set()  # requests with a grammar: their steps run without overlap
         _freeze_startup_heap()
+
+    def close(self) -> None:
+        """Stops the engine's other processes (tensor-parallel ranks); nothing to do in one process."""
+        self.runner.close()
 
     @property
     def grammars(self) -> "structured.Grammars":

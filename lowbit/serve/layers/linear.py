@@ -22,6 +22,8 @@ class Linear(nn.Module):
         self.bias: torch.Tensor | None = None
         self.prepared = None
         self.dtype: torch.dtype | None = None  # the model's activation dtype (also the output of an fp8 input)
+        # tensor parallelism: how the ranks' outputs become the layer's (all-reduce, vocabulary gather); None: as is
+        self.combine = None
 
     def load(self, algo: str | None, tensors: dict, device, dtype) -> None:
         tensors = dict(tensors)
@@ -45,9 +47,11 @@ class Linear(nn.Module):
         """silu_mul: this is a merged gate/up layer [..., 2D] and the result silu_and_mul of its output, [..., D]
         (one launch for an unquantized layer at one row on the GPU: the GEMV's epilogue)."""
         if self.algo is None:
-            return ops.dense_linear(x, self.weight, self.bias, silu_mul=silu_mul)
-        y = ops.quant_linear(x, self.prepared, self.bias, out_dtype=self.dtype)
-        return ops.silu_and_mul(y) if silu_mul else y
+            y = ops.dense_linear(x, self.weight, self.bias, silu_mul=silu_mul)
+        else:
+            y = ops.quant_linear(x, self.prepared, self.bias, out_dtype=self.dtype)
+            y = ops.silu_and_mul(y) if silu_mul else y
+        return y if self.combine is None else self.combine(y)
 
 
 class MergedLinear(nn.Module):

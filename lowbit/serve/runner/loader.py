@@ -19,18 +19,27 @@ def model_dtype(ckpt: Checkpoint, name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype):
-    model = model_class(ckpt.config)(ckpt.config).to(device)
+def load_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, tp=None):
+    """tp: this process's TensorParallelGroup; the model is then its rank's shard (lowbit.serve.distributed)."""
+    if tp is None:
+        model = model_class(ckpt.config)(ckpt.config).to(device)
+    else:
+        from lowbit.serve.distributed import model as tp_model
+        from lowbit.serve.distributed.sharding import local_config
+
+        model = model_class(ckpt.config)(local_config(ckpt.config, tp.shard.world))
+        tp_model.parallelize(model, tp, ckpt.config)
+        model = model.to(device)
     tensors = ckpt.tensors()
     for name, param in model.named_parameters():
         if name not in tensors:
             raise ValueError(f"{ckpt.path}: tensor {name} is missing")
-        param.data = tensors[name].to(device, dtype)
+        param.data = (tensors[name] if tp is None else tp_model.shard_param(tp, name, tensors[name])).to(device, dtype)
     for name, module in model.named_modules():
         if isinstance(module, MergedLinear):
-            _load_merged(ckpt, tensors, name, module, device, dtype)
+            _load_merged(ckpt, tensors, name, module, device, dtype, tp)
         elif isinstance(module, Linear) and not name.endswith(".merged"):  # a merged one is its parent's
-            _load_linear(ckpt, tensors, name, module, device, dtype)
+            _load_linear(ckpt, tensors, name, module, device, dtype, tp)
         elif isinstance(module, Attention) and ckpt.kv_format is not None:  # scales serve a quantized cache only
             _load_kv_scales(tensors, name.rsplit(".", 1)[0], module, ckpt.kv_format, device)
     return model.eval()
@@ -46,8 +55,8 @@ def kv_window(model) -> int | None:
     return max(windows)
 
 
-def _linear_tensors(ckpt, tensors, name) -> tuple[str | None, dict]:
-    """(quant_algo, {suffix: tensor}) of the checkpoint linear `name`."""
+def _linear_tensors(ckpt, tensors, name, tp=None) -> tuple[str | None, dict]:
+    """(quant_algo, {suffix: tensor}) of the checkpoint linear `name` (with tp: this rank's slices)."""
     found = {s: tensors[f"{name}.{s}"] for s in LINEAR_SUFFIXES if f"{name}.{s}" in tensors}
     if name == "lm_head" and not found and ckpt.config.get("tie_word_embeddings"):
         found = {"weight": tensors["model.embed_tokens.weight"]}
@@ -56,21 +65,27 @@ def _linear_tensors(ckpt, tensors, name) -> tuple[str | None, dict]:
     algo = ckpt.layer_algo(name)
     if algo is None and found["weight"].dtype not in DTYPES.values():
         raise ValueError(f"{ckpt.path}: {name}.weight is {found['weight'].dtype} but the layer is not quantized")
+    if tp is not None:
+        from lowbit.serve.distributed.model import shard_linear_tensors
+
+        found = shard_linear_tensors(tp, ckpt.config, name, algo, found)
     return algo, found
 
 
-def _load_linear(ckpt, tensors, name, module: Linear, device, dtype) -> None:
-    module.load(*_linear_tensors(ckpt, tensors, name), device, dtype)
+def _load_linear(ckpt, tensors, name, module: Linear, device, dtype, tp=None) -> None:
+    module.load(*_linear_tensors(ckpt, tensors, name, tp), device, dtype)
 
 
-def _load_merged(ckpt, tensors, name, module: MergedLinear, device, dtype) -> None:
+def _load_merged(ckpt, tensors, name, module: MergedLinear, device, dtype, tp=None) -> None:
     """The HF parts of a merged linear (self_attn.q_proj, ... for self_attn.qkv_proj), read and merged on the device;
     a checkpoint that stores the linear fused (Phi-3's qkv_proj, gate_up_proj) loads as it is."""
     if f"{name}.weight" in tensors:
+        if tp is not None:
+            raise ValueError(f"{ckpt.path}: tensor parallelism does not split the fused tensor {name}.weight")
         _load_linear(ckpt, tensors, name, module.merged, device, dtype)
         return
     parent = name.rsplit(".", 1)[0]
-    parts = [_linear_tensors(ckpt, tensors, f"{parent}.{part}") for part in module.part_names]
+    parts = [_linear_tensors(ckpt, tensors, f"{parent}.{part}", tp) for part in module.part_names]
     algos = [algo for algo, _ in parts]
     found = [{s: t.to(device) for s, t in part.items()} for _, part in parts]
     module.load(algos, found, device, dtype)

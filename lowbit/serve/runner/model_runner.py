@@ -1,5 +1,5 @@
 """Runs one scheduled step: flattens the batch into the model's inputs and the step context, returns logits."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import numpy as np
@@ -23,13 +23,14 @@ UPLOAD_ALIGN_BYTES = 16
 
 
 class ModelRunner:
-    def __init__(self, ckpt: Checkpoint, config: EngineConfig):
+    def __init__(self, ckpt: Checkpoint, config: EngineConfig, tp=None):
+        """tp: this process's TensorParallelGroup: the runner holds its rank's shard (lowbit.serve.distributed)."""
         self.config = config
         device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
         self.dtype = model_dtype(ckpt, config.dtype)
         with stage(f"loading weights from {ckpt.path} onto {self.device}"):
-            self.model = load_model(ckpt, self.device, self.dtype)
+            self.model = load_model(ckpt, self.device, self.dtype, tp)
         kv = ckpt.kv_format  # a ValueError for an unknown kv_cache_quant_algo
         self.kv_dtype = kv.cache_dtype if kv is not None else self.dtype
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -41,13 +42,17 @@ class ModelRunner:
                              f"block by block)")
         with stage("warm-up and KV cache" if self.device.type == "cuda" else "KV cache"):
             self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, config, self.kv_dtype, self.device)
+            agreed = self.num_blocks if tp is None else tp.min(self.num_blocks)  # every rank holds the same pool
+            if agreed < self.num_blocks:
+                self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, replace(config, num_kv_blocks=agreed),
+                                                    self.kv_dtype, self.device)
         self.host_cache = None  # evicted prefix blocks in host memory (config.host_cache_size)
         if config.host_cache_size and config.enable_prefix_caching:  # it holds prefix-cache blocks only
             with stage("host KV cache"):
                 self.host_cache = HostCache.sized([m.kv_cache for m in self.attn_layers], config.host_cache_size)
         self.block_tables = BlockTables(config.max_batch_size, 64)
         self.graphs = None
-        if gpu_attention and config.cuda_graphs:
+        if gpu_attention and config.cuda_graphs and tp is None:
             with stage("capturing decode CUDA graphs"):
                 self.graphs = self._capture_decode_graphs(ckpt.config)
 
@@ -63,6 +68,9 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.config.max_batch_size, width, num_kv_heads, self.device)
         graphs.capture()
         return graphs
+
+    def close(self) -> None:
+        """Nothing to stop: one process (the tensor-parallel runner stops its ranks here)."""
 
     @property
     def num_host_blocks(self) -> int:
@@ -134,7 +142,11 @@ class ModelRunner:
             ) -> torch.Tensor:
         """Computes the batch's new tokens (K/V into the cache); returns float32 logits [sum(len(rows)), V].
         Queues the work without waiting for the device."""
-        host = self.host_inputs(batch, logit_rows, pending)
+        return self.run_host(self.host_inputs(batch, logit_rows, pending), pending)
+
+    @torch.inference_mode()
+    def run_host(self, host: "HostInputs", pending: "PendingTokens | None" = None) -> torch.Tensor:
+        """run() from the step's host arrays (a tensor-parallel rank gets them from rank 0)."""
         if self.graphs is not None and self.graphs.can_run(host):
             return self.graphs.run(host, self.upload, pending)
         input_ids, ctx = self.device_inputs(host, pending)

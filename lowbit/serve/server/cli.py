@@ -1,5 +1,7 @@
 """`lowbit serve NAME`: load a checkpoint by name and serve it with the OpenAI-compatible API."""
 import argparse
+import os
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -34,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding: n-gram prompt lookup, or a draft model (--draft-model)")
     parser.add_argument("--draft-model", metavar="NAME", help="the drafting model (same vocabulary as NAME)")
     parser.add_argument("--num-draft-tokens", type=int, metavar="K", help="tokens drafted per step (default 4)")
+    parser.add_argument("--tp-size", dest="tensor_parallel_size", type=int, metavar="N",
+                        help="split the model over N ranks, one process (and GPU) each (default 1)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (visible in the "
                         "process list: prefer --api-key-file or $LOWBIT_API_KEY)")
     parser.add_argument("--api-key-file", type=Path, metavar="PATH", help="read the key from the first line of PATH")
@@ -91,12 +95,15 @@ def _serve(args, config, api_key: str | None, sock) -> int:
             raise UserError(f"serving over HTTP needs the serve extra: pip install 'lowbit[serve]' ({e})") from e
         from lowbit.serve.server.async_engine import AsyncEngine
         from lowbit.serve.engine.engine import Engine
+        from lowbit.serve.distributed.runner import RankFailure
 
     try:
         with stage(f"loading {args.model}"):
             engine = Engine(args.model, config)
-    except ValueError as e:  # unsupported architecture, format or dtype
+    except (ValueError, RankFailure) as e:  # unsupported architecture, format or dtype; a rank that failed to load
         raise UserError(str(e)) from e
+    if config.tensor_parallel_size > 1:
+        engine.runner.on_failure = _exit_on_rank_failure  # a dead rank ends the server, not only the engine thread
     print(f"[lowbit] {args.model}: {engine.runner.num_blocks} KV blocks of {config.block_size} tokens "
           f"({engine.runner.kv_dtype}), context {engine.max_model_len}, on {engine.runner.device}", flush=True)
     async_engine = AsyncEngine(engine)
@@ -108,4 +115,11 @@ def _serve(args, config, api_key: str | None, sock) -> int:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     server.run(sockets=[sock])
     async_engine.shutdown()
+    engine.close()
     return 0
+
+
+def _exit_on_rank_failure(line: str) -> None:
+    """Called on the watchdog thread: one line, exit 1 (requests in flight get their connections closed)."""
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    os._exit(1)
