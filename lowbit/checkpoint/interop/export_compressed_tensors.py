@@ -109,15 +109,21 @@ def _config_groups(schemes: dict, quant: dict) -> tuple[dict, list]:
     return groups, ignore
 
 
-def convert(ckpt) -> tuple[dict, dict]:
-    """A checkpoint lowbit reads -> (quantization_config, tensors) in compressed-tensors layout."""
+def quantized_modules(tensors: dict) -> list[str]:
+    """The linears with quantization tensors (every lowbit format has a weight_scale)."""
+    return sorted(k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight_scale"))
+
+
+def convert(ckpt, tensors: dict | None = None, on_module=None) -> tuple[dict, dict]:
+    """A checkpoint lowbit reads -> (quantization_config, tensors) in compressed-tensors layout.
+    tensors: ckpt.tensors() when already read (consumed); on_module(): called once per linear converted."""
     if ckpt.quant is None:
         raise UserError(f"{ckpt.path}: an unquantized checkpoint has no compressed-tensors form")
-    tensors = ckpt.tensors()
+    tensors = ckpt.tensors() if tensors is None else tensors
     kv = ckpt.kv_format
     if kv not in (None, formats.KV_FP8):
         raise UserError(f"{ckpt.path}: KV {ckpt.kv_algo!r} has no compressed-tensors form")
-    modules = sorted(k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight_scale"))
+    modules = quantized_modules(tensors)
     fmts = {m: ckpt.layer_format(m) for m in modules}
     for m, fmt in fmts.items():
         check_format(fmt, f"{ckpt.path}: {m}")
@@ -129,6 +135,8 @@ def convert(ckpt) -> tuple[dict, dict]:
         if "bias" in local:
             out[f"{m}.bias"] = local.pop("bias")
         out.update({f"{m}.{k}": v for k, v in module_tensors(fmt, local).items()})
+        if on_module is not None:
+            on_module()
     kv_names = {v: k for k, v in formats.KV_FP8.scale_names().items()}  # "k_proj.k_scale" -> "k"
     for name, t in tensors.items():
         tail = ".".join(name.rsplit(".", 2)[-2:])
@@ -170,4 +178,4 @@ def rewrite(directory: Path) -> None:
     (directory / QUANT_CONFIG).unlink()
 
 
-__all__ = ["SCHEMES", "convert", "rewrite", "save", "ignore_entry", "module_tensors", "check_format"]
+__all__ = ["SCHEMES", "convert", "quantized_modules", "rewrite", "save", "ignore_entry", "module_tensors", "check_format"]
