@@ -118,3 +118,34 @@ def test_o_proj_scale_with_an_fp8_kv_cache_is_refused(tmp_path):
     lowbit_checkpoint(tmp_path, formats.W8A8_SQ_PER_CHANNEL, smooth=True, kv_cache=True)
     with pytest.raises(UserError, match="FP8 KV cache"):
         rewrite(tmp_path)
+
+
+@pytest.mark.parametrize("recipe_name,mha", [("int4_rtn", False), ("int4_awq", True), ("w8a8_sq", True)])
+def test_quantize_export_end_to_end(recipe_name, mha, tmp_path):
+    """modelopt calibrates a tiny Llama (multi-head attention where smoothing reaches o_proj) and exports it twice,
+    once as compressed-tensors: the same logits within the fold's fp32 reordering."""
+    import copy
+    from dataclasses import replace
+
+    pytest.importorskip("modelopt")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from lowbit.calibrate.loop import calibrate
+    from lowbit.models import DEFAULT_MODEL, resolve
+    from lowbit.quantize.export import export
+    from lowbit.recipe import load_recipe
+
+    recipe = load_recipe(recipe_name)
+    recipe = replace(recipe, group_size=32) if recipe.group_size else recipe
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**SMALL, "num_key_value_heads": SMALL["num_attention_heads"] if mha else 2})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    calibrate(model, recipe, [[(11 * i + 5) % 1000 for i in range(32)] for _ in range(2)])
+    twin = copy.deepcopy(model)
+    tokenizer = AutoTokenizer.from_pretrained(resolve(DEFAULT_MODEL))
+    export(model, tokenizer, recipe, tmp_path / "mo", source="tiny")
+    export(twin, tokenizer, recipe, tmp_path / "ct", source="tiny", export_format="compressed-tensors")
+    if recipe_name != "int4_rtn":  # smoothing reached o_proj / down_proj, and the fold moved it
+        assert any(k.endswith("o_proj.pre_quant_scale") for k in checkpoint.read(tmp_path / "mo").tensors())
+    a, b = _logits(tmp_path / "mo"), _logits(tmp_path / "ct")
+    assert (a - b).abs().max() <= 1e-3 * a.abs().max(), (a - b).abs().max()
