@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "serve": ("lowbit.serve.server.cli", "serve a checkpoint by name with an OpenAI-compatible API"),
     "bench": ("lowbit.bench_cli", "benchmarks: kernels, serving throughput and latency"),
     "models": ("lowbit.models_cli", "list the models and checkpoints in the store"),
+    "convert": ("lowbit.convert_cli", "rewrite a quantized checkpoint as modelopt or compressed-tensors"),
 }
 
 

@@ -64,7 +64,7 @@ def check_export_format(export_format: str, recipe: Recipe) -> None:
 def quantize(model: str = models.DEFAULT_MODEL, recipe="fp8", out=None, calib=None, num_samples=None, seq_len=None,
              force: bool = False, export_format: str = "modelopt") -> QuantizeResult:
     """Quantize `model` (store name, local HF dir or hub id) with `recipe` (name, path or Recipe) into `out`.
-    export_format: "modelopt" (hf_quant_config.json) or "compressed-tensors" (FP8 recipes; what vLLM loads)."""
+    export_format: "modelopt" (hf_quant_config.json) or "compressed-tensors" (what vLLM loads)."""
     t0 = time.time()
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     recipe = with_calibration(recipe, calib, num_samples, seq_len)

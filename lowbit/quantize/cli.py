@@ -19,7 +19,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seq-len", type=int, help="tokens per calibration sequence (overrides the recipe)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing output")
     parser.add_argument("--export-format", default="modelopt", choices=["modelopt", "compressed-tensors"],
-                        help="checkpoint layout: modelopt (default) or compressed-tensors (fp8, fp8_dynamic recipes)")
+                        help="checkpoint layout: modelopt (default) or compressed-tensors (what vLLM loads)")
 
 
 def run(args) -> int:

@@ -92,3 +92,16 @@ def int4_tensors(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
     if zero is not None:
         t["weight_zero_point"] = zero.to(torch.int8).contiguous()
     return t
+
+
+def pack_nibbles(u: torch.Tensor, dim: int) -> torch.Tensor:
+    """uint nibbles (values 0..15) -> int32 words of 8, packed along `dim` (zero-padded to a multiple of 8), element
+    8*w + j at bits 4*j of word w: the inverse of unpack_nibbles in natural order."""
+    u = u.to(torch.int64).movedim(dim, -1)
+    pad = -u.shape[-1] % 8
+    if pad:
+        u = torch.nn.functional.pad(u, (0, pad))
+    u = u.reshape(*u.shape[:-1], -1, 8)
+    w = (u << (4 * torch.arange(8, dtype=torch.int64))).sum(-1)
+    w = torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+    return w.movedim(-1, dim).contiguous()
