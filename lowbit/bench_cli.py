@@ -13,7 +13,8 @@ BENCHES = {
     "serve-prefix": "serve_prefix",  # TTFT of a long prefix evicted from the device: recomputed vs host cache
     "serve-load": "serve_load",  # concurrent streaming clients against `lowbit serve` (loopback)
     "engine-overhead": "engine_overhead",  # the engine's host work per step, model forward stubbed (CPU)
-    "cpu": "cpu",  # the CPU engine vs transformers generate and HFLM-style scoring, same model and threads (CPU)
+    "cpu": "cpu",
+    "eval-speed": "eval_speed",  # `lowbit eval`'s candidate pass: one process vs worker processes, same scores (CPU)  # the CPU engine vs transformers generate and HFLM-style scoring, same model and threads (CPU)
 }
 
 
