@@ -16,6 +16,7 @@ BENCHES = {
     "engine-overhead": "engine_overhead",  # the engine's host work per step, model forward stubbed (CPU)
     "spec": "spec",  # speculative decoding: verify-step cost for k = 1..8, batch-1 n-gram tok/s (GPU; --tiny on CPU)
     "cpu": "cpu",  # the CPU engine vs transformers generate and HFLM-style scoring, same model and threads (CPU)
+    "eval-speed": "eval_speed",  # `lowbit eval`'s candidate pass: one process vs worker processes, same scores (CPU)
 }
 
 

@@ -9,6 +9,7 @@ from tqdm import tqdm
 from lm_eval.models.huggingface import HFLM
 
 from lowbit.errors import UserError
+from lowbit.evaluate import parallel
 
 
 class SharedContextLM(HFLM):
@@ -19,7 +20,11 @@ class SharedContextLM(HFLM):
     pass: batching documents bought no speed on CPU, and a fake-quantized model's scores would then depend on
     which other documents share its batch (FP8 rounding amplifies float-rounding differences). The logits are
     those of a full forward pass up to float rounding (tests compare against HFLM).
+
+    Documents are shared out over `workers` forked processes (lowbit.evaluate.parallel), each running exactly this
+    per-document computation on its own core, so the scores do not depend on the number of workers.
     """
+    workers: int = 1
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         groups = defaultdict(list)  # truncated context tokens -> request indices
@@ -28,8 +33,8 @@ class SharedContextLM(HFLM):
             groups[tuple(full[:len(full) - len(cont)])].append(i)
         results = [None] * len(requests)
         pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="Scoring (loglikelihood)")
-        for ctx, idx in groups.items():
-            scored = score_continuations(self.model, list(ctx), [requests[i][2] for i in idx], self.device)
+        jobs = [(list(ctx), [requests[i][2] for i in idx]) for ctx, idx in groups.items()]
+        for idx, scored in zip(groups.values(), parallel.score_all(self.model, jobs, self.device, self.workers)):
             for i, answer in zip(idx, scored):
                 results[i] = answer
                 if requests[i][0] is not None:
@@ -84,8 +89,10 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def inproc_lm(model, tokenizer, batch_size: int = 1) -> SharedContextLM:
-    return SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+def inproc_lm(model, tokenizer, batch_size: int = 1, workers: int = 1) -> SharedContextLM:
+    lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    lm.workers = workers
+    return lm
 
 
 def server_lm(url: str, model_name: str, tokenizer_path: str, concurrency: int = 1):
