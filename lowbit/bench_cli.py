@@ -10,8 +10,8 @@ BENCHES = {
     "kernels": "kernels",  # low-precision GEMMs vs cuBLAS bf16 and torch._scaled_mm (GPU)
     "accuracy": "accuracy",  # every recipe on the embedded model: time, size, held-out perplexity (CPU)
     "serve": "serve_bench",  # engine throughput and latency on dummy Llama-3.1-8B weights vs HF generate (GPU)
-    "serve-prefix": "serve_prefix",
-    "serve-tp": "serve_tp",  # batch-1 ITL and maximum-load throughput per GPU at each tensor-parallel size  # TTFT of a long prefix evicted from the device: recomputed vs host cache
+    "serve-prefix": "serve_prefix",  # TTFT of a long prefix evicted from the device: recomputed vs host cache (GPU)
+    "serve-tp": "serve_tp",  # batch-1 ITL and maximum-load throughput per GPU at each tensor-parallel size
     "serve-load": "serve_load",  # concurrent streaming clients against `lowbit serve` (loopback)
     "engine-overhead": "engine_overhead",  # the engine's host work per step, model forward stubbed (CPU)
     "spec": "spec",  # speculative decoding: verify-step cost for k = 1..8, batch-1 n-gram tok/s (GPU; --tiny on CPU)
