@@ -11,7 +11,7 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LOWBIT_HOME=$PWD/.gpu/home OMP_NUM_THREADS=8
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-pip install -q --no-deps .gpu/wheels/*.whl 2>&1 | tail -2
+python3 -m pip install -q --no-deps .gpu/wheels/*.whl 2>&1 | grep -v "as the .root. user" | tail -2  # the python that runs, not the system pip
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for step in "$@"; do
 case "$step" in
