@@ -2,8 +2,10 @@
 from lowbit.serve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from lowbit.serve.models.llama import LlamaForCausalLM
 from lowbit.serve.models.mistral import MistralForCausalLM
+from lowbit.serve.models.mixtral import MixtralForCausalLM
 from lowbit.serve.models.phi3 import Phi3ForCausalLM
 from lowbit.serve.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from lowbit.serve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -13,6 +15,8 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

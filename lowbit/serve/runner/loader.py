@@ -5,6 +5,7 @@ from lowbit import formats
 from lowbit.checkpoint import Checkpoint
 from lowbit.serve.layers.attention import Attention
 from lowbit.serve.layers.linear import Linear, MergedLinear
+from lowbit.serve.layers.moe import MoeExperts
 from lowbit.serve.models import model_class
 
 LINEAR_SUFFIXES = formats.TENSOR_SUFFIXES + ("bias",)
@@ -40,6 +41,8 @@ def load_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, tp=No
             _load_merged(ckpt, tensors, name, module, device, dtype, tp)
         elif isinstance(module, Linear) and not name.endswith(".merged"):  # a merged one is its parent's
             _load_linear(ckpt, tensors, name, module, device, dtype, tp)
+        elif isinstance(module, MoeExperts):
+            _load_experts(ckpt, tensors, name, module, device, dtype, tp)
         elif isinstance(module, Attention) and ckpt.kv_format is not None:  # scales serve a quantized cache only
             _load_kv_scales(tensors, name.rsplit(".", 1)[0], module, ckpt.kv_format, device)
     return model.eval()
@@ -89,6 +92,26 @@ def _load_merged(ckpt, tensors, name, module: MergedLinear, device, dtype, tp=No
     algos = [algo for algo, _ in parts]
     found = [{s: t.to(device) for s, t in part.items()} for _, part in parts]
     module.load(algos, found, device, dtype)
+
+
+def _load_experts(ckpt, tensors, name, module: MoeExperts, device, dtype, tp=None) -> None:
+    """Stacked expert weights from transformers' fused `{name}.gate_up_proj` [E, 2I, H] / `{name}.down_proj`
+    [E, H, I], or from the per-expert linears `{name}.{e}.{part}.weight` (unquantized only)."""
+    if tp is not None:
+        raise ValueError(f"{ckpt.path}: tensor parallelism does not split the experts of {name}")
+    if f"{name}.gate_up_proj" in tensors:
+        module.load(tensors[f"{name}.gate_up_proj"], tensors[f"{name}.down_proj"], device, dtype)
+        return
+    gate, up, down = module.part_names
+    w13, w2 = [], []
+    for e in range(module.num_experts):
+        parts = [_linear_tensors(ckpt, tensors, f"{name}.{e}.{part}") for part in (gate, up, down)]
+        quantized = [f"{name}.{e}.{part}" for part, (algo, _) in zip((gate, up, down), parts) if algo is not None]
+        if quantized:
+            raise ValueError(f"{ckpt.path}: quantized experts ({quantized[0]}) are not supported")
+        w13.append(torch.cat([parts[0][1]["weight"], parts[1][1]["weight"]]).to(device))
+        w2.append(parts[2][1]["weight"].to(device))
+    module.load(torch.stack(w13), torch.stack(w2), device, dtype)
 
 
 def _load_kv_scales(tensors, self_attn: str, module: Attention, kv: formats.KVFormat, device) -> None:

@@ -1,0 +1,137 @@
+"""The experts of a sparse MoE layer over all tokens: x [T, H] -> sum_j w[t, j] * down_e(silu(gate_e(x)) * up_e(x)),
+e = topk_ids[t, j]; the Triton path is two grouped GEMMs (one launch per projection over every expert) and a combine.
+
+Weights are stacked per projection: w13 [E, 2I, H] (gate rows then up rows of each expert, as transformers'
+gate_up_proj), w2 [E, H, I]. Rounding (both paths): each GEMM accumulates in fp32 and stores x's dtype; silu(gate) * up
+in fp32, stored in x's dtype; the combine sums the top_k weighted rows in fp32 and rounds once.
+"""
+import torch
+import torch.nn.functional as F
+
+from lowbit.kernels._triton import cdiv, kernel, next_pow2, on_gpu, tl, wait_for_producers
+from lowbit.kernels.moe.align import moe_align
+from lowbit.kernels.ops.activation import silu_and_mul_ref
+
+BLOCK_M = 16  # rows of one expert per GEMM tile; an expert's run is padded to it
+BLOCK_N = 64
+BLOCK_K = 64
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x's dtype), topk_ids [T, k] int, topk_weights [T, k] float -> [T, H]."""
+    if on_gpu(x):
+        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights)
+    return fused_moe_ref(x, w13, w2, topk_ids, topk_weights)
+
+
+def fused_moe_ref(x, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
+    """Torch reference: the (token, slot) pairs sorted by expert, one pair of GEMMs per expert that has any, then the
+    weighted sum over each token's top_k rows."""
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    rows = torch.empty(t * k, w2.shape[1], dtype=x.dtype, device=x.device)  # row i: pair i's expert output
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        h = silu_and_mul_ref(F.linear(x[pairs // k], w13[e]))
+        rows[pairs] = F.linear(h, w2[e])
+        start += n
+    return combine_ref(rows, topk_weights)
+
+
+def combine_ref(rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """rows [T * k, H] (pair order) -> sum_j topk_weights[t, j] * rows[t * k + j] in fp32, rounded to rows' dtype."""
+    t, k = topk_weights.shape
+    out = (rows.view(t, k, -1).float() * topk_weights.float().unsqueeze(-1)).sum(1)
+    return out.to(rows.dtype)
+
+
+def fused_moe_triton(x, w13, w2, topk_ids, topk_weights, block_m: int = BLOCK_M) -> torch.Tensor:
+    """The Triton path (also under the CPU interpreter): align, grouped GEMM (gate/up), SiLU-and-mul, grouped GEMM
+    (down), combine."""
+    t, k = topk_ids.shape
+    num_experts, two_i, hidden = w13.shape
+    sorted_ids, block_expert = moe_align(topk_ids, num_experts, block_m)
+    gate_up = grouped_gemm(x, w13, sorted_ids, block_expert, t * k, k, block_m)
+    if x.is_cuda:
+        from lowbit.kernels.ops.activation import silu_and_mul
+        act = silu_and_mul(gate_up)
+    else:  # interpreter tests: the activation kernel has its own
+        act = silu_and_mul_ref(gate_up)
+    rows = grouped_gemm(act, w2, sorted_ids, block_expert, t * k, 1, block_m)
+    return combine(rows, topk_weights)
+
+
+def grouped_gemm(a, w, sorted_ids, block_expert, num_pairs: int, a_row_div: int, block_m: int) -> torch.Tensor:
+    """out[i] = a[i // a_row_div] @ w[expert of i]^T for every pair i listed in sorted_ids: [num_pairs, N]."""
+    n, kdim = w.shape[1], w.shape[2]
+    if a.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError("grouped_gemm: a and w need unit stride along K")
+    out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    grid = (block_expert.numel(), cdiv(n, BLOCK_N))
+    _grouped_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, num_pairs, n, kdim, a.stride(0),
+                               w.stride(0), w.stride(1), out.stride(0), A_ROW_DIV=a_row_div, IEEE=a.dtype == torch.float32,
+                               BLOCK_M=block_m,
+                               BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    return out
+
+
+@kernel
+def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, N, K, stride_am,
+                         stride_we, stride_wn, stride_om, A_ROW_DIV: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One program: BLOCK_M sorted rows (all of one expert, or padding) x BLOCK_N output columns."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    wait_for_producers(PDL)
+    if expert < 0:  # past the last expert's run
+        return
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    a_rows = tl.where(row_ok, pairs // A_ROW_DIV, 0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        b = tl.load(w_base + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        if IEEE:  # fp32 operands: full precision, not TF32
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    out_rows = tl.where(row_ok, pairs, 0).to(tl.int64)
+    tl.store(out_ptr + out_rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def combine(rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """combine_ref as one kernel: each program sums one token's top_k rows over BLOCK columns."""
+    t, k = topk_weights.shape
+    hidden = rows.shape[1]
+    out = torch.empty(t, hidden, dtype=rows.dtype, device=rows.device)
+    block = min(1024, next_pow2(hidden))
+    weights = topk_weights.float().contiguous()
+    _combine_kernel[(t, cdiv(hidden, block))](rows, weights, out, hidden, TOP_K=k, BLOCK=block)
+    return out
+
+
+@kernel
+def _combine_kernel(rows_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
+    tok = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        wj = tl.load(w_ptr + tok * TOP_K + j)
+        acc += wj * tl.load(rows_ptr + (tok * TOP_K + j) * H + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tok * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
