@@ -21,6 +21,7 @@ W4_PACK_K = 128  # w4a16.PACK_K: a W4 weight's K is padded to a multiple of it (
 INT8_GEMV_ROWS = 8  # int8_gemv.MAX_M: one int32 accumulator per x row
 W4_MMA_ROWS = 16  # w4_mma.MAX_M: two tiles of the mma's N = 8
 W4_SMALL_M_ROWS = 16  # w4_small_m.SMALL_M_MAX: one MMA N tile
+ZP_ADD_ROWS = 16  # w4_zero_point's in-place launch re-reads the zero scales once per row: a few rows only
 HOPPER = (9, 0)  # wgmma (fp8_small_m, int8_small_m, fp8_gemv as measured)
 FP8_MMA = (8, 9)  # cuBLAS fp8 (torch._scaled_mm)
 
@@ -99,7 +100,13 @@ LINEAR = (
     Row(("dense",), lambda c, t: c.on((0, 0)) and c.m == 1 and c.x16, "dense_gemv"),
     Row(("dense",), lambda c, t: True, "cublas"),
 )
-TABLES = {"linear": LINEAR}
+# how an int4 layer's zero-point correction joins its W4 kernel (lowbit.kernels.linear.w4_zero_point)
+ZERO_POINT = (
+    Row(("int4",), lambda c, t: c.m == 1, "zp_bias"),  # folded into the W4 kernel's fp32 bias
+    Row(("int4",), lambda c, t: c.m <= ZP_ADD_ROWS, "zp_add"),  # one Triton launch, in place
+    Row(("int4",), lambda c, t: True, "zp_addmm"),  # torch group sums + fp32 addmm
+)
+TABLES = {"linear": LINEAR, "zero_point": ZERO_POINT}
 
 # the kernels each family's tensor-core entry point may take (w8a8.tensor_core_linear, w4a16.tensor_core_gemm)
 W8A8_TENSOR_CORE = ("int8_small_m", "fp8_small_m", "scaled_mm", "scaled_mm_then_scale", "scaled_mm_rowwise",

@@ -96,14 +96,14 @@ def _pack(p: PreparedLinear, fmt: Format, t: dict, device):
     elif fmt.kernel in W8A8_KERNELS:
         p.kind, p.weight = "w8a8", t["weight"].to(device).contiguous()
         p.weight_scale = _f32(t["weight_scale"], device).reshape(-1 if t["weight_scale"].numel() > 1 else ())
-    elif fmt.kernel == "int4" and ("weight_zero_point" in t or
-                                   not w4a16.int4_group_supported(w4a16.int4_group(t["weight"], t["weight_scale"]))):
-        # zero points (no W4 kernel has them) and rare group sizes: dequantize once and run a dense bf16 GEMM
-        # (x * pre_quant_scale is still applied)
+    elif fmt.kernel == "int4" and not w4a16.int4_group_supported(w4a16.int4_group(t["weight"], t["weight_scale"])):
+        # rare group sizes: dequantize once and run a dense bf16 GEMM (x * pre_quant_scale is still applied)
         p.kind, p.weight = "dense", fmt.dequantize(t).to(device=device, dtype=torch.bfloat16)
-    elif fmt.kernel == "int4":
+    elif fmt.kernel == "int4":  # zero points (W4A16_ZP): the same kernels plus w4_zero_point's correction
         p.kind = "w4"
-        p.weight = w4a16.pack_int4(t["weight"].to(device), t["weight_scale"].to(device), p.smooth)
+        zero = t.get("weight_zero_point")
+        p.weight = w4a16.pack_int4(t["weight"].to(device), t["weight_scale"].to(device), p.smooth,
+                                   None if zero is None else zero.to(device))
     else:  # "nvfp4"
         p.kind = "w4"
         p.weight = w4a16.pack_nvfp4(t["weight"].to(device), t["weight_scale"].to(device), t["weight_scale_2"], p.smooth)

@@ -6,6 +6,8 @@ Kernel layout (built once at load by pack_int4 / pack_nvfp4; the on-disk layout 
   byte's two nibbles (_byte_nibbles), so Triton loads the bytes straight into the registers of the dot's A operand.
   Two words are one NVFP4 block of 16.
 - INT4: nibble = q + 8 (q in [-8, 7]); scales fp32 [KP/group, N] (transposed: one contiguous row per group).
+  With zero points (W4A16_ZP, w = (q - z) * s): the same codes and scales, plus z and zs = s * z fp32 [K/group, N];
+  the kernels compute q * s and lowbit.kernels.linear.w4_zero_point subtracts the group-sum correction.
 - NVFP4: nibble = e2m1 code; scales float8_e4m3fn [KP/128, N, 8] (a row's 8 block scales of a tile are 8 contiguous
   bytes); global_scale = weight_scale_2 as a Python float.
 The kernel computes out^T tiles (acc [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T) so that small M sits in the MMA's
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 
 from lowbit.formats import NVFP4_BLOCK, nvfp4_dequantize, unpack_e2m1, unpack_int4_rows
 from lowbit.kernels import routes, tuning
-from lowbit.kernels.linear import split_k, w4_dequant, w4_gemv, w4_mma, w4_small_m
+from lowbit.kernels.linear import split_k, w4_dequant, w4_gemv, w4_mma, w4_small_m, w4_zero_point
 from lowbit.kernels._triton import cdiv, helper, interpreting, kernel, next_pow2, tl, use_triton, wait_for_producers
 
 PACK_K = 128
@@ -34,6 +36,8 @@ class W4Weight:
     group: int  # int4 group size along K; 16 for nvfp4
     global_scale: float = 1.0
     smooth: torch.Tensor | None = None  # pre_quant_scale [K], applied to x (rounded to x's dtype) before the GEMM
+    zero_point: torch.Tensor | None = None  # int4 zero points z in [-8, 7], fp32 [K/group, N]; None: symmetric
+    zero_scale: torch.Tensor | None = None  # scale * zero_point, fp32 [K/group, N] (w4_zero_point's correction)
 
 
 # ---- packing (torch, once at load)
@@ -69,8 +73,9 @@ def int4_group_supported(group: int) -> bool:
     return group % 16 == 0 and (PACK_K % group == 0 or group % PACK_K == 0)
 
 
-def pack_int4(weight, weight_scale, pre_quant_scale=None) -> W4Weight:
-    """modelopt W4A16_AWQ tensors (uint8 [N/2, K], fp32 [N, K/group]) -> W4Weight."""
+def pack_int4(weight, weight_scale, pre_quant_scale=None, zero_point=None) -> W4Weight:
+    """modelopt W4A16_AWQ tensors (uint8 [N/2, K], fp32 [N, K/group]) -> W4Weight; zero_point: W4A16_ZP's int8
+    [N, K/group] in [-8, 7] (w = (q - zero_point) * scale)."""
     group = int4_group(weight, weight_scale)
     if not int4_group_supported(group):
         raise ValueError(f"group size {group} is not supported by the W4 kernel (need 16 | g and g | 128 or 128 | g)")
@@ -79,7 +84,13 @@ def pack_int4(weight, weight_scale, pre_quant_scale=None) -> W4Weight:
     kp = cdiv(k, PACK_K) * PACK_K
     u = _pad_k((q.to(torch.int16) + 8).to(torch.uint8), kp, 8)
     scales = _pad_k(weight_scale.float(), cdiv(kp, group), 0).t().contiguous()
-    return W4Weight("int4", _interleave(u), scales, n, k, group, 1.0, pre_quant_scale)
+    w = W4Weight("int4", _interleave(u), scales, n, k, group, 1.0, pre_quant_scale)
+    if zero_point is not None:
+        if zero_point.shape != weight_scale.shape:
+            raise ValueError(f"zero points {tuple(zero_point.shape)} != scales {tuple(weight_scale.shape)}")
+        w.zero_point = zero_point.float().t().contiguous()
+        w.zero_scale = w4_zero_point.zero_scale(weight_scale, zero_point)
+    return w
 
 
 def pack_nvfp4(weight, weight_scale, weight_scale_2, pre_quant_scale=None) -> W4Weight:
@@ -98,7 +109,10 @@ def dequantize_w4(w: W4Weight) -> torch.Tensor:
     u = _deinterleave(w.qweight)[:, : w.in_features]
     if w.fmt == "int4":
         s = w.scales.t()[:, : w.in_features // w.group].float().repeat_interleave(w.group, dim=1)
-        return (u.float() - 8) * s
+        q = u.float() - 8
+        if w.zero_point is not None:
+            q = q - w.zero_point.t().repeat_interleave(w.group, dim=1)
+        return q * s
     block_scale = w.scales.permute(1, 0, 2).reshape(w.out_features, -1)[:, : w.in_features // NVFP4_BLOCK]
     return nvfp4_dequantize(u, block_scale, torch.tensor(w.global_scale))
 
@@ -275,9 +289,17 @@ def choose_config(M: int, N: int, KP: int, fmt: str = "int4"):
 def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
     """x [M, K] bf16/fp16 -> [M, N] in x's dtype, on the kernel lowbit.kernels.routes picks: w4_mma, the CUDA-core
     GEMV (w4_gemv), the dequantized weight through cuBLAS (w4_dequant), w4_small_m or the tensor-core kernel below
-    (which an explicit tensor-core `config` runs directly)."""
+    (which an explicit tensor-core `config` runs directly). Zero points: that kernel on q * s, corrected by
+    w4_zero_point."""
     if not use_triton(x):
         return w4a16_gemm_ref(x, w, bias)
+    if w.zero_point is not None:
+        return w4_zero_point.zp_gemm(x, w, bias, lambda xs, b: _symmetric_gemm(xs, w, b, config))
+    return _symmetric_gemm(x, w, bias, config)
+
+
+def _symmetric_gemm(x, w: W4Weight, bias=None, config=None):
+    """w4a16_gemm on the codes and scales alone (q * s: a zero-point weight's correction is not applied)."""
     if config is not None:
         return _tensor_core_kernel(x, w, bias, config)
     kernel = _route(x, w)
