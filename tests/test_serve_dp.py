@@ -131,8 +131,9 @@ class Served:
         self.engine.shutdown()
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def served(model_dir):
+    """One server for the module: the dead-replica test, which kills replica 1, runs last."""
     s = Served(model_dir)
     yield s
     s.close()
@@ -146,6 +147,13 @@ def _complete(client, i: int) -> str:
     out = client.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0,
                                     extra_body={"ignore_eos": True})
     return out.choices[0].text
+
+
+def _wait(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -176,15 +184,13 @@ def test_two_replicas_serve_concurrent_clients_with_dp1_outputs(served, expected
 
 def test_a_dead_replica_fails_its_request_with_a_500_and_new_work_is_refused(served):
     engine = served.engine
-    long = dict(model="tiny", max_tokens=1500, temperature=0, extra_body={"ignore_eos": True})
+    long = dict(model="tiny", max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(served.client.completions.create, prompt="the first one", **long)
-        while engine.router.load[0] == 0:
-            time.sleep(0.01)
+        _wait(lambda: engine.router.load[0] > 0)
         os.kill(engine._procs[1].pid, signal.SIGSTOP)  # replica 1 takes the next request and never answers
         second = pool.submit(served.client.completions.create, prompt="the second one", **long)
-        while engine.router.load[1] == 0:
-            time.sleep(0.01)
+        _wait(lambda: engine.router.load[1] > 0)
         os.kill(engine._procs[1].pid, signal.SIGKILL)
         with pytest.raises(openai.InternalServerError) as e:
             second.result(timeout=60)
