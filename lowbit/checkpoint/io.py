@@ -6,6 +6,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Callable
@@ -18,6 +19,7 @@ from lowbit.errors import UserError
 QUANT_CONFIG = "hf_quant_config.json"
 RECIPE_FILE = "recipe.yaml"
 MANIFEST = "lowbit_manifest.json"
+SHARD_INDEX = "model.safetensors.index.json"  # HF's index of a sharded checkpoint: {"weight_map": {tensor: file}}
 
 
 @dataclass
@@ -52,18 +54,64 @@ class Checkpoint:
 
     @cached_property
     def weight_files(self) -> list[Path]:
+        """The shards the index names (every one must exist), else every *.safetensors file."""
+        index = self.path / SHARD_INDEX
+        if index.is_file():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            missing = [n for n in names if not (self.path / n).is_file()]
+            if missing:
+                raise UserError(f"{index} names shard {missing[0]}, which is not in {self.path}")
+            return [self.path / n for n in names]
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise UserError(f"{self.path} holds no .safetensors files")
         return files
 
-    def tensors(self, device: str = "cpu") -> dict:
+    def tensors(self, device: str = "cpu", lazy: bool = False) -> Mapping:
+        """Every tensor by name. lazy: a read-only mapping that reads each tensor from its shard when asked for,
+        so a caller that keeps one tensor at a time holds one in host memory, not the model (a foreign format's
+        conversion needs them all: it is read eagerly)."""
+        if lazy and self.convert is None:
+            return LazyTensors(self.weight_files, device)
         from safetensors.torch import load_file
 
         out = {}
         for f in self.weight_files:
             out.update(load_file(f, device=device))
         return out if self.convert is None else self.convert(out)
+
+
+class LazyTensors(Mapping):
+    """name -> tensor, read from its safetensors file at each access (only the headers are read up front).
+    Each access maps its file anew and the tensor alone keeps the mapping, so the host holds the tensors the caller
+    keeps, not every shard it has touched."""
+
+    def __init__(self, files: list[Path], device: str = "cpu"):
+        from safetensors import safe_open
+
+        self.device = device
+        self._where: dict[str, Path] = {}
+        for f in files:
+            with safe_open(f, framework="pt") as handle:
+                for name in handle.keys():
+                    if name in self._where:
+                        raise UserError(f"tensor {name} is in both {self._where[name].name} and {f.name}")
+                    self._where[name] = f
+
+    def __getitem__(self, name: str):
+        from safetensors import safe_open
+
+        with safe_open(self._where[name], framework="pt", device=self.device) as handle:
+            return handle.get_tensor(name)
+
+    def __contains__(self, name) -> bool:
+        return name in self._where
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 def read(path) -> Checkpoint:

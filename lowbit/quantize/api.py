@@ -62,13 +62,18 @@ def check_export_format(export_format: str, recipe: Recipe) -> None:
 
 
 def quantize(model: str = models.DEFAULT_MODEL, recipe="fp8", out=None, calib=None, num_samples=None, seq_len=None,
-             force: bool = False, export_format: str = "modelopt") -> QuantizeResult:
+             force: bool = False, export_format: str = "modelopt",
+             max_shard_size: int | str = "5GB") -> QuantizeResult:
     """Quantize `model` (store name, local HF dir or hub id) with `recipe` (name, path or Recipe) into `out`.
-    export_format: "modelopt" (hf_quant_config.json) or "compressed-tensors" (what vLLM loads)."""
+    export_format: "modelopt" (hf_quant_config.json) or "compressed-tensors" (what vLLM loads).
+    max_shard_size: bytes (or "5GB", "500MB") per safetensors file; a larger checkpoint is written in shards."""
     t0 = time.time()
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     recipe = with_calibration(recipe, calib, num_samples, seq_len)
     check_export_format(export_format, recipe)
+    from lowbit.quantize.export import shard_bytes
+
+    shard_bytes(max_shard_size)  # a bad size is refused before the model loads
     out = Path(out) if out else default_output(model, recipe)
     if out.exists() and not force:
         from lowbit.errors import UserError
@@ -87,7 +92,8 @@ def quantize(model: str = models.DEFAULT_MODEL, recipe="fp8", out=None, calib=No
 
     calibrate(hf_model, recipe, batches)
     quantized, excluded = count_layers(hf_model)
-    export(hf_model, tokenizer, recipe, out, source=str(model), force=force, export_format=export_format)
+    export(hf_model, tokenizer, recipe, out, source=str(model), force=force, export_format=export_format,
+           max_shard_size=max_shard_size)
     from lowbit.checkpoint import read
 
     written = read(out)  # the truth on disk, e.g. MIXED_PRECISION when layers got different group sizes

@@ -21,6 +21,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--force", action="store_true", help="overwrite an existing output")
     parser.add_argument("--export-format", default="modelopt", choices=["modelopt", "compressed-tensors"],
                         help="checkpoint layout: modelopt (default) or compressed-tensors (what vLLM loads)")
+    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="largest safetensors file, e.g. 5GB (default), 500MB, 2GiB; a larger checkpoint is "
+                             "written as model-0000k-of-0000n.safetensors + model.safetensors.index.json")
 
     auto = parser.add_argument_group("--recipe auto (per-layer formats searched under an accuracy gate)")
     auto.add_argument("--gate", help='thresholds the result must pass, as for `lowbit eval`, e.g. "recovery>=0.99"')
@@ -44,7 +47,7 @@ def run(args) -> int:
 
     result = lowbit.quantize(args.model, recipe=args.recipe, out=args.out, calib=args.calib,
                              num_samples=args.num_samples, seq_len=args.seq_len, force=args.force,
-                             export_format=args.export_format)
+                             export_format=args.export_format, max_shard_size=args.max_shard_size)
     print(result.summary())
     return 0
 

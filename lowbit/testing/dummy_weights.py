@@ -74,8 +74,8 @@ class DummyCheckpoint(Checkpoint):
         super().__init__(path, config, quant, recipe, manifest)
         self.seed, self.device, self.std = seed, device, std
 
-    def tensors(self, device: str = "cpu") -> "LazyTensors":
-        return LazyTensors(self)
+    def tensors(self, device: str = "cpu", lazy: bool = True) -> "LazyTensors":
+        return LazyTensors(self)  # always lazy
 
 
 class LazyTensors(Mapping):

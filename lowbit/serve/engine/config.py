@@ -25,9 +25,10 @@ class EngineConfig:
     draft_model: str | None = None  # draft: store name or directory of a model with the target's vocabulary
     speculative_max_batch_size: int = 16  # speculation turns itself off for larger decode batches
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over; > 1: no overlap, no graphs
+    data_parallel_size: int = 1  # replicas behind one server (lowbit serve), a process each on its own devices
 
     def __post_init__(self):
-        positive = ["max_batch_size", "max_num_tokens", "block_size", "tensor_parallel_size"]
+        positive = ["max_batch_size", "max_num_tokens", "block_size", "tensor_parallel_size", "data_parallel_size"]
         for name in positive + ["max_model_len", "num_kv_blocks", "kv_cache_max_tokens"]:
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -31,7 +31,7 @@ def load_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, tp=No
         model = model_class(ckpt.config)(local_config(ckpt.config, tp.shard.world))
         tp_model.parallelize(model, tp, ckpt.config)
         model = model.to(device)
-    tensors = ckpt.tensors()
+    tensors = ckpt.tensors(lazy=True)  # one tensor read at a time, shard by shard
     for name, param in model.named_parameters():
         if name not in tensors:
             raise ValueError(f"{ckpt.path}: tensor {name} is missing")

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-draft-tokens", type=int, metavar="K", help="tokens drafted per step (default 4)")
     parser.add_argument("--tp-size", dest="tensor_parallel_size", type=int, metavar="N",
                         help="split the model over N ranks, one process (and GPU) each (default 1)")
+    parser.add_argument("--dp-size", dest="data_parallel_size", type=int, metavar="N",
+                        help="N replicas of the model (each --tp-size GPUs) behind this server, requests routed by "
+                             "load and prompt prefix (default 1)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (visible in the "
                         "process list: prefer --api-key-file or $LOWBIT_API_KEY)")
     parser.add_argument("--api-key-file", type=Path, metavar="PATH", help="read the key from the first line of PATH")
@@ -97,6 +100,8 @@ def _serve(args, config, api_key: str | None, sock) -> int:
         from lowbit.serve.engine.engine import Engine
         from lowbit.serve.distributed.runner import RankFailure
 
+    if config.data_parallel_size > 1:
+        return _serve_replicas(args, config, api_key, sock, uvicorn, build_app)
     try:
         with stage(f"loading {args.model}"):
             engine = Engine(args.model, config)
@@ -117,6 +122,42 @@ def _serve(args, config, api_key: str | None, sock) -> int:
     async_engine.shutdown()
     engine.close()
     return 0
+
+
+def _serve_replicas(args, config, api_key: str | None, sock, uvicorn, build_app) -> int:
+    """--dp-size N: a replica that dies fails its requests (500), the server stops taking new ones, lets the other
+    replicas' requests finish (30 s at most) and exits 1."""
+    from lowbit.serve.server.dp_engine import DataParallelEngine
+
+    server = None
+    failed = []
+
+    def on_failure(line: str) -> None:
+        print(f"error: {line}; stopping", file=sys.stderr, flush=True)
+        failed.append(line)
+        if server is not None:
+            server.should_exit = True
+
+    try:
+        with stage(f"loading {args.model} x {config.data_parallel_size} replicas"):
+            engine = DataParallelEngine(args.model, config, on_failure=on_failure)
+    except ValueError as e:  # a replica that failed to load, or too few GPUs
+        raise UserError(str(e)) from e
+    for i, info in enumerate(engine.infos):
+        print(f"[lowbit] {args.model} replica {i}: {info['num_blocks']} KV blocks of {config.block_size} tokens "
+              f"({info['kv_dtype']}), context {info['max_model_len']}, on {info['device']}", flush=True)
+    app = build_app(engine, args.model, api_key, public_metrics=args.public_metrics, access_log=not args.quiet,
+                    max_request_bytes=args.max_request_bytes)
+    print(f"[lowbit] serving {args.model} on http://{args.host}:{args.port}/v1 "
+          f"({config.data_parallel_size} replicas)", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=30))
+    if failed:
+        server.should_exit = True
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+    return 1 if failed else 0
 
 
 def _exit_on_rank_failure(line: str) -> None:
