@@ -125,10 +125,10 @@ class DraftModelDrafter:
 
     def _sync(self, entry: Shadow) -> None:
         """The shadow's tokens := the target's; its computed K/V kept up to the first token that differs (a rejected
-        draft), the blocks past them given back. The target only appends, so only tokens from `synced` on can
+        draft) and short of the target's newest token, the blocks past them given back. The target only appends, so only tokens from `synced` on can
         differ."""
         seq, shadow = entry.target, entry.seq
-        n = min(shadow.num_computed_tokens, seq.num_tokens)
+        n = min(shadow.num_computed_tokens, seq.num_tokens - 1)  # the newest token's logits give the next draft
         match = next((p for p in range(min(entry.synced, n), n) if shadow.token_ids[p] != seq.token_ids[p]), n)
         shadow.num_computed_tokens = match
         entry.synced = seq.num_tokens
