@@ -176,3 +176,23 @@ def test_drafts_are_the_draft_models_own_greedy_continuation(settings):
     expected = generate(alone, [t for t, _ in picked],
                         [SamplingParams(max_tokens=len(d), temperature=0, ignore_eos=True) for _, d in picked])
     assert [d for _, d in picked] == [ids for ids, *_ in expected]
+
+
+def test_serve_with_a_draft_model_of_another_vocabulary_is_one_error_line(tmp_path):
+    """`lowbit serve NAME --speculative draft --draft-model DIR`: the vocabularies are compared before any weight is
+    loaded; exit 2 and one line."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a free port: the server binds before it loads the model
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 100}))
+    bad = subprocess.run([sys.executable, "-m", "lowbit.cli", "serve", "smollm2-135m", "--port", str(port),
+                          "--speculative", "draft", "--draft-model", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    errors = [line for line in bad.stderr.splitlines() if not line.startswith("[lowbit]")]
+    assert errors == [f"error: draft_model {tmp_path}: vocabulary of 100 tokens, the target's has 49152; a draft "
+                      f"model needs the target's tokenizer"]
