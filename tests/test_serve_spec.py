@@ -200,8 +200,3 @@ def test_bad_speculative_settings_fail_with_one_line(settings, message):
     with pytest.raises(ValueError, match=message) as e:
         EngineConfig(**settings)
     assert "\n" not in str(e.value)
-
-
-def test_draft_model_drafting_is_refused_at_load_until_it_exists():
-    with pytest.raises(ValueError, match="speculative: draft .* is not implemented yet; use ngram"):
-        tiny_engine(speculative="draft", draft_model="smollm2-135m")

@@ -9,6 +9,8 @@
    drafting vs without, the same engine and weights, and whether the outputs are identical. Random weights rarely
    copy their prompt, so their acceptance is low; `--model NAME` runs this part on a real checkpoint instead (a
    prompt asking it to repeat a passage), where acceptance is what real text gives.
+3. With --model and --draft-model: the same batch-1 request with the draft model drafting (e.g. the int4_awq copy of
+   an fp8 target): tokens/s, acceptance and whether the output is identical. --batch1-only skips part 1.
 """
 import argparse
 import statistics
@@ -25,7 +27,7 @@ from lowbit.serve.engine.engine import Engine
 from lowbit.serve.engine.sampling_params import SamplingParams
 from lowbit.serve.engine.scheduler import Batch
 from lowbit.serve.engine.sequence import Sequence
-from lowbit.serve.spec.decoder import make_decoder
+from lowbit.serve.spec.decoder import SpecDecoder, make_decoder
 from lowbit.testing.dummy_weights import FORMATS, dummy_checkpoint
 
 
@@ -41,6 +43,8 @@ def parse(argv):
     p.add_argument("--output-len", type=int, default=256, help="greedy tokens generated at batch 1")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="k of the batch-1 n-gram run")
     p.add_argument("--model", help="part 2 on this checkpoint (store name or directory) instead of dummy weights")
+    p.add_argument("--draft-model", help="part 3: this checkpoint drafts for --model (same tokenizer)")
+    p.add_argument("--batch1-only", action="store_true", help="skip part 1 (the verify-step table)")
     p.add_argument("--tiny", action="store_true", help="a tiny fp32 model (CPU smoke test)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="also write the JSON lines here")
@@ -50,6 +54,10 @@ def parse(argv):
     for flag in ("context", "repeats", "passage", "output_len", "num_draft_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be positive")
+    if args.draft_model and not args.model:
+        p.error("--draft-model needs --model (the target it drafts for)")
+    if args.batch1_only and not args.model:
+        p.error("--batch1-only needs --model (part 2 on dummy weights uses part 1's engine)")
     return args
 
 
@@ -70,10 +78,11 @@ PASSAGE = ("The committee met on Tuesday to review the budget. It agreed to fund
            "who had counted the survey forms by hand.")
 
 
-def real_engine(args) -> tuple[Engine, list[int]]:
-    """The checkpoint --model and a prompt that asks it to repeat a passage (its own tokenizer)."""
-    cfg = EngineConfig(max_batch_size=1, device=args.device, speculative="ngram",
-                       num_draft_tokens=args.num_draft_tokens)
+def real_engine(args, draft: bool = False) -> tuple[Engine, list[int]]:
+    """The checkpoint --model (drafted for by --draft-model when draft, else by n-grams) and a prompt that asks it to
+    repeat a passage (its own tokenizer)."""
+    spec = dict(speculative="draft", draft_model=args.draft_model) if draft else dict(speculative="ngram")
+    cfg = EngineConfig(max_batch_size=1, device=args.device, num_draft_tokens=args.num_draft_tokens, **spec)
     engine = Engine(args.model, cfg)
     text = f"Passage: {PASSAGE}\nRepeat the passage word for word.\nPassage: {PASSAGE}\nAgain, word for word:\n"
     return engine, engine.tokenizer.encode(text)
@@ -112,9 +121,9 @@ def synthetic_prompt(engine: Engine, args) -> list[int]:
     return passage + passage[: args.passage // 2] + passage
 
 
-def batch1(engine: Engine, args, prompt: list[int], speculate: bool) -> tuple[float, list[int]]:
-    """(tokens/s, output) of one greedy request on the repetitive prompt, with or without n-gram drafting."""
-    engine.spec = make_decoder(engine.config) if speculate else None
+def batch1(engine: Engine, args, prompt: list[int], decoder) -> tuple[float, list[int]]:
+    """(tokens/s, output) of one greedy request on the repetitive prompt, speculating with decoder (None: not)."""
+    engine.spec = decoder
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     engine.add_request("warm", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     while engine.has_unfinished():
@@ -137,6 +146,51 @@ def main(argv=None) -> int:
     print(f"machine: {device}, torch {torch.__version__}")
     print(f"date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
     emit, _ = json_lines(args.json)
+    engine = None if args.batch1_only else verify_table(args, emit)
+    if args.model:
+        del engine
+        free()
+        engine, prompt = real_engine(args)
+        model = args.model
+    else:
+        prompt, model = synthetic_prompt(engine, args), "tiny" if args.tiny else "Llama-3.1-8B shapes, dummy weights"
+    plain_tps, plain = batch1(engine, args, prompt, None)
+    spec_tps, spec = batch1(engine, args, prompt, make_decoder(engine.config))
+    s = engine.spec
+    emit({"bench": "spec-batch1", "model": model, "format": "checkpoint's" if args.model else args.format, "num_draft_tokens": args.num_draft_tokens,
+          "output_len": args.output_len, "plain_tok_s": plain_tps, "ngram_tok_s": spec_tps,
+          "speedup": spec_tps / plain_tps, "acceptance_rate": s.num_accepted / s.num_drafted if s.num_drafted else 0.0,
+          "accepted_per_step": s.num_accepted / s.num_verified if s.num_verified else 0.0,
+          "identical_output": plain == spec})
+    print(f"batch 1, repetitive prompt, greedy: {plain_tps:.1f} tok/s plain, {spec_tps:.1f} tok/s n-gram "
+          f"(k={args.num_draft_tokens}), outputs {'identical' if plain == spec else 'DIFFERENT'}")
+    draft_ok = True
+    if args.draft_model:
+        del engine, s
+        free()
+        draft_ok = draft_batch1(args, model, plain, plain_tps, emit)
+    return 0 if plain == spec and draft_ok else 1
+
+
+def draft_batch1(args, model: str, plain: list[int], plain_tps: float, emit) -> bool:
+    """Part 3: the batch-1 request with --draft-model drafting; whether its output is plain decoding's."""
+    engine, prompt = real_engine(args, draft=True)
+    draft_tps, out = batch1(engine, args, prompt, SpecDecoder(engine.spec.drafter, engine.config))
+    s, draft_ok = engine.spec, out == plain
+    emit({"bench": "spec-batch1-draft", "model": model, "draft_model": args.draft_model,
+          "num_draft_tokens": args.num_draft_tokens, "output_len": args.output_len, "plain_tok_s": plain_tps,
+          "draft_tok_s": draft_tps, "speedup": draft_tps / plain_tps,
+          "acceptance_rate": s.num_accepted / s.num_drafted if s.num_drafted else 0.0,
+          "accepted_per_step": s.num_accepted / s.num_verified if s.num_verified else 0.0,
+          "identical_output": draft_ok})
+    print(f"batch 1, repetitive prompt, greedy: {draft_tps:.1f} tok/s drafted by {args.draft_model} "
+          f"(k={args.num_draft_tokens}, acceptance {s.num_accepted / max(1, s.num_drafted):.2f}), output "
+          f"{'identical' if draft_ok else 'DIFFERENT'} to plain decoding")
+    return draft_ok
+
+
+def verify_table(args, emit) -> Engine:
+    """Part 1: the verify step's cost by batch size and k against a plain decode step; returns its engine."""
     engine = build(args)
     model = "tiny" if args.tiny else "Llama-3.1-8B shapes, dummy weights"
     print("| batch | decode ms | " + " | ".join(f"k={k} ms (x)" for k in args.ks) + " |")
@@ -147,23 +201,7 @@ def main(argv=None) -> int:
         emit({"bench": "spec-verify", "model": model, "format": args.format, "batch": b, "context": args.context,
               "decode_ms": base, **{f"verify_k{k}_ms": v for k, v in cost.items()}})
         print(f"| {b} | {base:.3f} | " + " | ".join(f"{cost[k]:.3f} ({cost[k] / base:.2f})" for k in args.ks) + " |")
-    prompt = synthetic_prompt(engine, args)
-    if args.model:
-        del engine
-        free()
-        engine, prompt = real_engine(args)
-        model = args.model
-    plain_tps, plain = batch1(engine, args, prompt, speculate=False)
-    spec_tps, spec = batch1(engine, args, prompt, speculate=True)
-    s = engine.spec
-    emit({"bench": "spec-batch1", "model": model, "format": "checkpoint's" if args.model else args.format, "num_draft_tokens": args.num_draft_tokens,
-          "output_len": args.output_len, "plain_tok_s": plain_tps, "ngram_tok_s": spec_tps,
-          "speedup": spec_tps / plain_tps, "acceptance_rate": s.num_accepted / s.num_drafted if s.num_drafted else 0.0,
-          "accepted_per_step": s.num_accepted / s.num_verified if s.num_verified else 0.0,
-          "identical_output": plain == spec})
-    print(f"batch 1, repetitive prompt, greedy: {plain_tps:.1f} tok/s plain, {spec_tps:.1f} tok/s n-gram "
-          f"(k={args.num_draft_tokens}), outputs {'identical' if plain == spec else 'DIFFERENT'}")
-    return 0 if plain == spec else 1
+    return engine
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.speculative == "draft" and not self.draft_model:
             raise ValueError("speculative: draft needs draft_model (a store name or checkpoint directory)")
+        if self.speculative == "draft" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative: draft is not supported with tensor_parallel_size > 1")
         if self.draft_model and self.speculative != "draft":
             raise ValueError(f"draft_model {self.draft_model!r} is set but speculative is {self.speculative!r}, "
                              f"not 'draft'")

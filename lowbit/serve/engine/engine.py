@@ -23,6 +23,7 @@ from lowbit.serve.engine.scheduler import Batch, Scheduler
 from lowbit.serve.engine.sequence import PENDING, Sequence
 from lowbit.serve.engine import structured
 from lowbit.serve.spec.decoder import make_decoder
+from lowbit.serve.spec.draft_model import load_draft_runner
 
 
 class ContextLengthError(ValueError):
@@ -89,16 +90,19 @@ def _without_finished(batch: Batch) -> Batch | None:
 
 
 class Engine:
-    def __init__(self, model: str | Path, config: EngineConfig | None = None, ckpt=None, tokenizer=None):
-        """ckpt / tokenizer: given objects instead of reading them from the model's directory (dummy weights)."""
+    def __init__(self, model: str | Path, config: EngineConfig | None = None, ckpt=None, tokenizer=None,
+                 draft_ckpt=None):
+        """ckpt / tokenizer / draft_ckpt: given objects instead of reading them from the model's (and the draft
+        model's) directory (dummy weights)."""
         from transformers import AutoTokenizer
 
         self.config = config or EngineConfig()
         self.path = models.resolve(str(model)) if ckpt is None else ckpt.path
         self.name = str(model)
         ckpt = ckpt or checkpoint.read(self.path)
-        self.runner = ModelRunner(ckpt, self.config) if self.config.tensor_parallel_size == 1 else \
-            _tensor_parallel_runner(ckpt, self.config)
+        draft_runner = load_draft_runner(self.config, ckpt, draft_ckpt) if self.config.speculative == "draft" else None
+        self.runner = ModelRunner(ckpt, self.config, kv_partner=draft_runner) if self.config.tensor_parallel_size == 1 \
+            else _tensor_parallel_runner(ckpt, self.config)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(self.path)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching, self.runner.num_host_blocks,
@@ -116,7 +120,7 @@ class Engine:
         self.in_flight: InFlight | None = None
         self.scoring: set[str] = set()  # requests whose prompt steps need the logits on the host (_scores_prompt)
         self._seed = random.Random(self.config.seed)
-        self.spec = make_decoder(self.config, self.runner)  # speculative decoding (None: off)
+        self.spec = make_decoder(self.config, self.runner, draft_runner)  # speculative decoding (None: off)
         self._grammars: structured.Grammars | None = None
         self.constrained: set[str] = set()  # requests with a grammar: their steps run without overlap
         _freeze_startup_heap()
@@ -181,6 +185,8 @@ class Engine:
         if request is not None and not request.seq.is_finished:
             self.scheduler.finish(request.seq, "abort")
             self.metrics.on_finish("abort")
+        if request is not None and self.spec is not None:
+            self.spec.release(request.seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None
@@ -367,6 +373,8 @@ class Engine:
         self.constrained.discard(seq.request_id)
         self.scheduler.finish(seq, reason)
         self.metrics.on_finish(reason)
+        if self.spec is not None:
+            self.spec.release(seq)
 
     def _output(self, seq: Sequence, num_known: int | None = None) -> RequestOutput:
         """What is new since the request's last output, in O(new): cumulative text / ids / logprobs only once

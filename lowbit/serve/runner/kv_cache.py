@@ -3,8 +3,11 @@
 Each attention layer's cache is [2, num_blocks, block_size, num_kv_heads, head_dim] in the KV dtype (the model dtype
 or float8_e4m3fn). On the GPU, blocks = free_gpu_memory_fraction x (memory free after the weights and a warm-up
 forward of max_num_tokens, less that forward's activation peak) / bytes per block, capped by max_tokens; on the CPU,
-a fraction of the available RAM.
+a fraction of the available RAM. A draft model (speculative decoding) shares that budget: `KvPartner` adds its bytes
+per block and its warm-up peak, and both pools get the same number of blocks.
 """
+from dataclasses import dataclass
+
 import torch
 
 from lowbit.serve.engine.config import EngineConfig
@@ -18,14 +21,24 @@ from lowbit.serve.runner.context import StepContext
 WARM_UP_PREFILLS = (15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 1023)
 
 
+@dataclass
+class KvPartner:
+    """A second model on the same device whose KV pool is sized out of the same budget (a draft model)."""
+    model: torch.nn.Module
+    attn_layers: list
+    kv_dtype: torch.dtype
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def allocate_kv_cache(model, attn_layers, config: EngineConfig, kv_dtype: torch.dtype, device: torch.device) -> int:
-    """Gives every attention layer its cache of config.num_kv_blocks blocks, or of as many as fit; returns that
-    number of blocks."""
-    num_blocks = config.num_kv_blocks or blocks_that_fit(model, attn_layers, config, kv_dtype, device)
+def allocate_kv_cache(model, attn_layers, config: EngineConfig, kv_dtype: torch.dtype, device: torch.device,
+                      partner: KvPartner | None = None) -> int:
+    """Gives every attention layer its cache of config.num_kv_blocks blocks, or of as many as fit (with a partner:
+    as many as fit when each block also holds the partner's K/V for as many tokens); returns that number of blocks.
+    The partner's own pool is allocated by its runner."""
+    num_blocks = config.num_kv_blocks or blocks_that_fit(model, attn_layers, config, kv_dtype, device, partner)
     a = attn_layers[0]
     shape = (2, num_blocks, config.block_size, a.num_kv_heads, a.head_dim)
     for layer in attn_layers:
@@ -39,14 +52,20 @@ def bytes_per_block(attn_layers, block_size: int, kv_dtype: torch.dtype) -> int:
     return per_token * block_size * torch.empty((), dtype=kv_dtype).element_size()
 
 
-def blocks_that_fit(model, attn_layers, config: EngineConfig, kv_dtype: torch.dtype, device: torch.device) -> int:
+def blocks_that_fit(model, attn_layers, config: EngineConfig, kv_dtype: torch.dtype, device: torch.device,
+                    partner: KvPartner | None = None) -> int:
     """GPU: after the warm-up prefills, kv_cache_fraction (default 0.9) of the free memory less the activation peak,
-    capped by kv_cache_max_tokens; CPU: kv_cache_fraction (default 0.05) of the available RAM."""
-    nbytes = bytes_per_block(attn_layers, config.block_size, kv_dtype)
+    capped by kv_cache_max_tokens; CPU: kv_cache_fraction (default 0.05) of the available RAM. A partner's bytes per
+    block are added to each block, and its warm-up peak counts when larger (the two models never run at once)."""
+    models = [(model, attn_layers, kv_dtype)] + ([(partner.model, partner.attn_layers, partner.kv_dtype)]
+                                                 if partner is not None else [])
+    nbytes = sum(bytes_per_block(layers, config.block_size, dt) for _, layers, dt in models)
     if device.type == "cuda":
-        for n in (n for n in WARM_UP_PREFILLS if n < config.max_num_tokens):  # they only build kernels
-            warm_up_peak(model, attn_layers, n, config.block_size, kv_dtype, device)
-        peak = warm_up_peak(model, attn_layers, config.max_num_tokens, config.block_size, kv_dtype, device)
+        peak = 0
+        for m, layers, dt in models:
+            for n in (n for n in WARM_UP_PREFILLS if n < config.max_num_tokens):  # they only build kernels
+                warm_up_peak(m, layers, n, config.block_size, dt, device)
+            peak = max(peak, warm_up_peak(m, layers, config.max_num_tokens, config.block_size, dt, device))
         return gpu_blocks_that_fit(nbytes, config.block_size, peak, device, config.kv_cache_fraction or 0.9,
                                    config.kv_cache_max_tokens)
     budget = _available_ram() * (config.kv_cache_fraction or 0.05)

@@ -13,7 +13,7 @@ from lowbit.serve.engine.config import EngineConfig
 from lowbit.serve.runner.block_tables import TABLE_WIDTH_MULTIPLE, BlockTables
 from lowbit.serve.runner.context import StepContext
 from lowbit.serve.runner.host_cache import HostCache
-from lowbit.serve.runner.kv_cache import allocate_kv_cache
+from lowbit.serve.runner.kv_cache import KvPartner, allocate_kv_cache
 from lowbit.serve.runner.loader import kv_window, load_model, model_dtype
 from lowbit.serve.engine.host_pool import BlockMoves
 from lowbit.serve.engine.scheduler import Batch
@@ -23,9 +23,12 @@ UPLOAD_ALIGN_BYTES = 16
 
 
 class ModelRunner:
-    def __init__(self, ckpt: Checkpoint, config: EngineConfig, tp=None):
-        """tp: this process's TensorParallelGroup: the runner holds its rank's shard (lowbit.serve.distributed)."""
+    def __init__(self, ckpt: Checkpoint, config: EngineConfig, tp=None, kv_partner: "ModelRunner | None" = None):
+        """tp: this process's TensorParallelGroup: the runner holds its rank's shard (lowbit.serve.distributed).
+        kv_partner: a draft model's runner on the same device (loaded, its pool not yet sized): both pools get the
+        same number of blocks out of one budget, and the partner's pool is allocated here (`adopt_kv`)."""
         self.config = config
+        self.model_config = ckpt.config
         device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
         self.dtype = model_dtype(ckpt, config.dtype)
@@ -35,17 +38,22 @@ class ModelRunner:
         self.kv_dtype = kv.cache_dtype if kv is not None else self.dtype
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sliding_window = kv_window(self.model)  # every layer windowed: blocks before it may be freed
-        gpu_attention = _use_gpu_attention(self.device.type == "cuda")
+        gpu_attention = self.gpu_attention = _use_gpu_attention(self.device.type == "cuda")
         bs = config.block_size
         if gpu_attention and self.kv_dtype == torch.float8_e4m3fn and bs & (bs - 1):
             raise ValueError(f"block_size {bs}: an FP8 KV cache on the GPU needs a power of two (its V is read "
                              f"block by block)")
         with stage("warm-up and KV cache" if self.device.type == "cuda" else "KV cache"):
-            self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, config, self.kv_dtype, self.device)
+            partner = None if kv_partner is None else \
+                KvPartner(kv_partner.model, kv_partner.attn_layers, kv_partner.kv_dtype)
+            self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, config, self.kv_dtype, self.device,
+                                                partner)
             agreed = self.num_blocks if tp is None else tp.min(self.num_blocks)  # every rank holds the same pool
             if agreed < self.num_blocks:
                 self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, replace(config, num_kv_blocks=agreed),
                                                     self.kv_dtype, self.device)
+        if kv_partner is not None:
+            kv_partner.adopt_kv(self.num_blocks, config.cuda_graphs)
         self.host_cache = None  # evicted prefix blocks in host memory (config.host_cache_size)
         if config.host_cache_size and config.enable_prefix_caching:  # it holds prefix-cache blocks only
             with stage("host KV cache"):
@@ -68,6 +76,15 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.config.max_batch_size, width, num_kv_heads, self.device)
         graphs.capture()
         return graphs
+
+    def adopt_kv(self, num_blocks: int, cuda_graphs: bool) -> None:
+        """A draft model's runner, built with a placeholder pool and no graphs: its pool of num_blocks blocks (sized
+        with its target's, `kv_partner`), then its decode graphs when cuda_graphs and the GPU allow them."""
+        self.config = replace(self.config, num_kv_blocks=num_blocks, cuda_graphs=cuda_graphs)
+        self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, self.config, self.kv_dtype, self.device)
+        if self.gpu_attention and cuda_graphs:
+            with stage("capturing the draft model's decode CUDA graphs"):
+                self.graphs = self._capture_decode_graphs(self.model_config)
 
     def close(self) -> None:
         """Nothing to stop: one process (the tensor-parallel runner stops its ranks here)."""

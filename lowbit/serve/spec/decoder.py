@@ -52,6 +52,7 @@ class SpecDecoder:
                     break
             if not seq.is_finished:
                 _roll_back(engine, seq, n + len(tokens) - 1)
+        self.drafter.after_verify(seqs)
         self.num_steps += 1
         engine.metrics.on_step(num_emitted)
         return [engine._output(s) for s in seqs if s.is_finished or engine.requests[s.request_id].stream]
@@ -74,6 +75,10 @@ class SpecDecoder:
                     drafts[i] = []
         return drafts
 
+    def release(self, seq: Sequence) -> None:
+        """The target sequence finished or was aborted: the drafter drops what it keeps for it."""
+        self.drafter.release(seq)
+
     def gauges(self) -> dict[str, tuple[float, str]]:
         rate = self.num_accepted / self.num_drafted if self.num_drafted else 0.0
         mean = self.num_accepted / self.num_verified if self.num_verified else 0.0
@@ -81,7 +86,7 @@ class SpecDecoder:
                 "lowbit_spec_accepted_tokens_total": (self.num_accepted, "Drafted tokens the target accepted."),
                 "lowbit_spec_acceptance_rate": (rate, "Accepted / drafted tokens."),
                 "lowbit_spec_accepted_tokens_mean": (mean, "Accepted tokens per sequence and verify step with a "
-                                                     "draft.")}
+                                                     "draft.")} | self.drafter.gauges()
 
 
 def _roll_back(engine, seq: Sequence, num_computed: int) -> None:
@@ -93,11 +98,15 @@ def _roll_back(engine, seq: Sequence, num_computed: int) -> None:
     engine.scheduler.commit_full_blocks([seq])
 
 
-def make_decoder(config: EngineConfig, target_runner=None) -> SpecDecoder | None:
-    """The decoder for config.speculative (None: off)."""
+def make_decoder(config: EngineConfig, target_runner=None, draft_runner=None) -> SpecDecoder | None:
+    """The decoder for config.speculative (None: off). draft: draft_runner is the draft model's runner, its pool
+    sized with the target's (spec/draft_model.py `load_draft_runner`, then the target's runner)."""
     if config.speculative is None:
         return None
     if config.speculative == "ngram":
         from lowbit.serve.spec.ngram import NgramDrafter
         return SpecDecoder(NgramDrafter(config.ngram_size), config)
-    raise ValueError(f"speculative: draft (draft_model {config.draft_model!r}) is not implemented yet; use ngram")
+    from lowbit.serve.spec.draft_model import DraftModelDrafter
+    if draft_runner is None:
+        raise ValueError("speculative: draft needs the draft model's runner (spec.draft_model.load_draft_runner)")
+    return SpecDecoder(DraftModelDrafter(draft_runner, config), config)

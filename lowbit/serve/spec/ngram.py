@@ -16,6 +16,15 @@ class NgramDrafter:
         """limits[i]: at most that many tokens for seqs[i] (0: none)."""
         return [lookup(s.token_ids, self.n, k) if k > 0 else [] for s, k in zip(seqs, limits)]
 
+    def after_verify(self, seqs: list[Sequence]) -> None:
+        """Nothing kept per sequence."""
+
+    def release(self, seq: Sequence) -> None:
+        """Nothing kept per sequence."""
+
+    def gauges(self) -> dict:
+        return {}
+
 
 def lookup(token_ids: list[int], n: int, k: int) -> list[int]:
     """Up to k tokens following the most recent earlier occurrence of the last m tokens (m = n, n-1, ..., 1: the
