@@ -203,3 +203,11 @@ def test_a_dead_replica_fails_its_request_with_a_500_and_new_work_is_refused(ser
     assert _get(f"{served.base}/health")[0] == 503
     metrics = _get(f"{served.base}/metrics")[1]
     assert 'lowbit_replica_up{replica="1"} 0' in metrics and 'lowbit_replica_up{replica="0"} 1' in metrics
+
+
+def test_llm_refuses_data_parallel_size():
+    """Replicas live behind the server; an in-process LLM with data_parallel_size > 1 is refused, not run as one."""
+    from lowbit.serve.llm import LLM
+
+    with pytest.raises(ValueError, match="lowbit serve --dp-size"):
+        LLM("no-such-model-needed", data_parallel_size=2)

@@ -97,6 +97,9 @@ class Engine:
         from transformers import AutoTokenizer
 
         self.config = config or EngineConfig()
+        if self.config.data_parallel_size != 1:  # replicas are processes behind the server (server/dp_engine.py)
+            raise ValueError("data_parallel_size > 1 is served by `lowbit serve --dp-size N`; an Engine or LLM is "
+                             "one replica (use tensor_parallel_size to split one model)")
         self.path = models.resolve(str(model)) if ckpt is None else ckpt.path
         self.name = str(model)
         ckpt = ckpt or checkpoint.read(self.path)
