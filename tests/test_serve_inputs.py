@@ -235,6 +235,15 @@ def test_openapi_bounds_token_ids_by_the_vocabulary(server):
         assert post(server, "/v1/completions", CMPL | {"prompt": ids, "max_tokens": 1})[0] == 200
     status, _, data = post(server, "/v1/completions", CMPL | {"prompt": [49152]})
     assert_openai_error(status, data, 400, "prompt")
+    # also found: penalties and best_of the server refuses were schema-valid; the schema states what is served
+    props = json.loads(text)["components"]["schemas"]["CompletionRequest"]["properties"]
+    for name, served in (("presence_penalty", 0), ("frequency_penalty", 0), ("best_of", 1)):
+        assert props[name]["minimum"] == props[name]["maximum"] == served, name
+    schemas = json.loads(text)["components"]["schemas"]
+    for body, field in (("CompletionRequest", "max_tokens"), ("ChatRequest", "max_completion_tokens")):
+        bounds = [n["maximum"] for n in _walk(schemas[body]["properties"][field]) if n.get("type") == "integer"]
+        assert bounds == [4096], (body, field, bounds)  # the served context (the fixture's pool)
+    assert schemas["ContentPart"]["properties"]["type"]["enum"] == ["text"]
 
 
 def _walk(node):

@@ -47,7 +47,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
     if access_log:
         app.add_middleware(AccessLog)
-    _document_real_errors(app, engine.engine.runner.model.config["vocab_size"])
+    _document_real_errors(app, engine.engine.runner.model.config["vocab_size"], engine.engine.max_model_len)
 
     def authorize(request: Request) -> None:
         if api_key is not None and not bearer_matches(request.headers.get("authorization"), api_key):
@@ -65,9 +65,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     return app
 
 
-def _document_real_errors(app: FastAPI, vocab_size: int) -> None:
+def _document_real_errors(app: FastAPI, vocab_size: int, max_model_len: int) -> None:
     """The published schema without FastAPI's 422 (the server answers 400 in OpenAI's shape instead), and with
-    this model's token-id bound on prompts given as ids."""
+    this model's bounds: token ids in prompts, and max_tokens up to the context length."""
     generate = app.openapi
 
     def openapi() -> dict:
@@ -79,21 +79,25 @@ def _document_real_errors(app: FastAPI, vocab_size: int) -> None:
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
             _exact_integer_bounds(schema)
-            _token_id_bound(schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"], vocab_size)
+            bodies = schema["components"]["schemas"]
+            _integer_bound(bodies["CompletionRequest"]["properties"]["prompt"], vocab_size - 1)
+            for body, field in (("CompletionRequest", "max_tokens"), ("ChatRequest", "max_tokens"),
+                                ("ChatRequest", "max_completion_tokens")):
+                _integer_bound(bodies[body]["properties"][field], max_model_len)
         return app.openapi_schema
     app.openapi = openapi
 
 
-def _token_id_bound(node, vocab_size: int) -> None:
-    """Every integer in the prompt's schema is a token id: below vocab_size."""
+def _integer_bound(node, maximum: int) -> None:
+    """Every integer in this field's schema gets `maximum` (token ids in a prompt, a max_tokens)."""
     if isinstance(node, dict):
         if node.get("type") == "integer":
-            node["maximum"] = vocab_size - 1
+            node["maximum"] = maximum
         for value in node.values():
-            _token_id_bound(value, vocab_size)
+            _integer_bound(value, maximum)
     elif isinstance(node, list):
         for value in node:
-            _token_id_bound(value, vocab_size)
+            _integer_bound(value, maximum)
 
 
 def _exact_integer_bounds(node) -> None:

@@ -44,6 +44,7 @@ def _valid_unicode(s: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 StopText = Annotated[str, Field(max_length=1024), AfterValidator(_valid_unicode)]
 TokenId = Annotated[int, Field(ge=0)]  # below the model's vocabulary size: the served schema states it (api.py)
+_ONLY_ZERO = {"minimum": 0, "maximum": 0}
 MAX_PROMPTS = 1024  # prompts in one completion request
 MAX_STOP = 16  # stop strings per request
 
@@ -67,8 +68,9 @@ class _Common(BaseModel):
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    # OpenAI's range is validated; the schema states what is served (0), and check_unsupported names the field
+    presence_penalty: float = Field(0.0, ge=-2, le=2, json_schema_extra=_ONLY_ZERO)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, json_schema_extra=_ONLY_ZERO)
     logit_bias: dict | None = None
     response_format: dict | None = None  # text | json_object | json_schema: server/structured_output.py
     tools: list | None = None  # chat only, with tool_choice
@@ -107,7 +109,7 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
-    best_of: int | None = None
+    best_of: int | None = Field(None, json_schema_extra={"minimum": 1, "maximum": 1})  # params() names it
     suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -133,7 +135,7 @@ class CompletionRequest(_Common):
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: str
+    type: str = Field(json_schema_extra={"enum": ["text"]})  # the only part served; ChatMessage.text names others
     text: Text = ""
 
 
