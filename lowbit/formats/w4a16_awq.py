@@ -16,8 +16,9 @@ class W4A16Awq(Format):
     name = "W4A16_AWQ"
     tensors = Tensors(("weight", "weight_scale"), ("pre_quant_scale",))
     kernel = "int4"
-    calibration = Calibration("INT4_AWQ_CFG", ("awq_lite", "rtn"), {"rtn": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"},
-                              group_required=True)
+    calibration = Calibration("INT4_AWQ_CFG", ("awq_lite", "awq_clip", "awq_full", "rtn"),
+                              {"rtn": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"}, group_required=True,
+                              roundings=("nearest", "gptq"))
 
     def shape(self, t: dict) -> tuple[int, int]:
         rows, inp = t["weight"].shape
