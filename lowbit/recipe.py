@@ -29,7 +29,7 @@ class Recipe:
     algorithm: str = "max"  # calibration algorithm
     algorithm_args: dict = field(default_factory=dict)  # e.g. {alpha: 0.5} for smoothquant
     rounding: str = "nearest"  # nearest | gptq: GPTQ rounding against the calibrated scales, after `algorithm`
-    rounding_args: dict = field(default_factory=dict)  # gptq: {damp: fraction of mean diag(H) added, block: columns}
+    rounding_args: dict = field(default_factory=dict)  # gptq: {damp: fraction of mean diag(H) added, block: columns, static_groups}
     group_size: int | None = None  # block/group size of weight scales where the format has one
     exclude: tuple = ("lm_head",)  # fnmatch patterns of module names left unquantized
     calibration: Calibration = Calibration()
@@ -149,5 +149,8 @@ def _check_rounding_args(r: Recipe, bad) -> None:
         elif key == "block":
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 bad("rounding_args.block", f"{value!r} is not a positive integer")
+        elif key == "static_groups":
+            if not isinstance(value, bool):
+                bad("rounding_args.static_groups", f"{value!r} is not true or false")
         else:
-            bad("rounding_args", f"unknown argument {key!r} (known: block, damp)")
+            bad("rounding_args", f"unknown argument {key!r} (known: block, damp, static_groups)")

@@ -3,8 +3,8 @@
 lowbit's own code, not modelopt 0.47's `gptq`, for two reasons: modelopt's pass starts with a fresh max
 calibration, which throws away the scales (and clip ratios) an AWQ search set, so AWQ + GPTQ cannot be combined
 there; and it fake-quantizes the whole weight matrix once per column (in_features full passes per layer), which is
-minutes per layer on a CPU. This pass runs after any calibration, keeps each weight quantizer's calibrated amax
-as it is (the exported weight_scale does not change), and rounds one column at a time against those fixed scales.
+minutes per layer on a CPU. This pass runs after any calibration, keeps the clip ratio each group's calibrated amax
+has (AWQ clip search; 1 after max calibration), and rounds one column at a time.
 
 Math (Frantar et al., GPTQ): H = 2 X^T X over the calibration inputs the weight sees (after pre_quant_scale),
 damped by `damp` x mean(diag H); U = upper Cholesky factor of H^-1. Columns are rounded left to right; column j's
@@ -39,8 +39,9 @@ def group_scales(module: nn.Module) -> tuple[torch.Tensor, int]:
 
 
 def round_to_grid(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """w [out] rounded to the int4 grid of scale [out] (the dequantized value)."""
-    return (w / scale).round().clamp(INT4_MIN, INT4_MAX) * scale
+    """w [out] rounded to the int4 grid of scale [out] (the dequantized value; 0 where the scale is 0)."""
+    q = (w / scale).round().clamp(INT4_MIN, INT4_MAX) * scale
+    return torch.where(scale > 0, q, torch.zeros_like(q))
 
 
 def upper_inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -53,22 +54,35 @@ def upper_inverse_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def gptq_weight(w: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, group: int, damp: float = 0.01,
-                block: int = 128) -> torch.Tensor:
-    """w [out, in] -> GPTQ-rounded w [out, in] on the grid of scale [out, in/group], given H [in, in]."""
-    w = w.float().clone()
+                block: int = 128, static_groups: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (GPTQ-rounded w [out, in], its scale [out, in/group]), given H [in, in] and the calibrated
+    scale [out, in/group].
+
+    static_groups: round against the calibrated scales as they are. Otherwise each group's scale is set when the
+    pass reaches the group, from the weights as the earlier columns' errors left them, keeping the calibrated
+    clip ratio (scale / (group amax / 7) of the original weight): GPTQ's reference behaviour, which keeps
+    the propagated errors from being clipped at the group's edge."""
+    if block % group:
+        raise ValueError(f"GPTQ block {block} is not a multiple of the group size {group}")
+    w, scale = w.float().clone(), scale.float().clone()
+    group_max = w.reshape(w.shape[0], -1, group).abs().amax(-1)
+    clip = torch.where(group_max > 0, scale * INT4_MAX / group_max, torch.ones_like(scale))
     u = upper_inverse_factor(h, damp)
     inp = w.shape[1]
     for b0 in range(0, inp, block):
         b1 = min(b0 + block, inp)
         wb, errs = w[:, b0:b1].clone(), torch.zeros_like(w[:, b0:b1])
         for i in range(b1 - b0):
-            q = round_to_grid(wb[:, i], scale[:, (b0 + i) // group])
+            g = (b0 + i) // group
+            if not static_groups and (b0 + i) % group == 0:
+                scale[:, g] = clip[:, g] * wb[:, i:i + group].abs().amax(1) / INT4_MAX
+            q = round_to_grid(wb[:, i], scale[:, g])
             errs[:, i] = (wb[:, i] - q) / u[b0 + i, b0 + i]
             wb[:, i:] -= errs[:, i, None] * u[b0 + i, b0 + i:b1][None, :]
             wb[:, i] = q
         w[:, b0:b1] = wb
         w[:, b1:] -= errs @ u[b0:b1, b1:]
-    return w
+    return w, scale
 
 
 class Hessians:
@@ -93,10 +107,10 @@ class Hessians:
 
 
 @torch.no_grad()
-def gptq_round(model: nn.Module, forward_loop, damp: float = 0.01, block: int = 128) -> None:
-    """Replace every calibrated int4 group weight by its GPTQ rounding, in place (one calibration pass).
-
-    Hessians come from one pass of `forward_loop(model)` with the calibrated fake quantizers on."""
+def gptq_round(model: nn.Module, forward_loop, damp: float = 0.01, block: int = 128,
+               static_groups: bool = False) -> None:
+    """Replace every calibrated int4 group weight by its GPTQ rounding and its amax by the scales the rounding
+    used, in place. Hessians come from one pass of `forward_loop(model)` with the calibrated fake quantizers on."""
     from lowbit.progress import Progress
 
     share_pre_quant_scales(model)
@@ -110,8 +124,9 @@ def gptq_round(model: nn.Module, forward_loop, damp: float = 0.01, block: int = 
     with Progress(len(layers), "GPTQ rounding", "linears") as bar:
         for name, m in layers:
             scale, group = scales[name]
-            w = gptq_weight(m.weight.data, hessians.h.pop(name), scale, group, damp, block)
+            w, scale = gptq_weight(m.weight.data, hessians.h.pop(name), scale, group, damp, block, static_groups)
             m.weight.data.copy_(w.to(m.weight.dtype))
+            m.weight_quantizer.amax = (scale * INT4_MAX).reshape(m.weight_quantizer.amax.shape)
             bar.update()
 
 
