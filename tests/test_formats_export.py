@@ -14,7 +14,7 @@ import torch
 
 from lowbit import formats
 
-RECIPES = ("fp8", "fp8_dynamic", "nvfp4", "int4_awq", "int4_rtn", "w8a8_sq")
+RECIPES = ("fp8", "fp8_dynamic", "nvfp4", "int4_awq", "int4_rtn", "int4_gptq", "w8a8_sq")
 # Reader vs modelopt fake-quant logits on 64 held-out tokens. AWQ: max |diff| <= EXACT_TOL (same numbers up to
 # float rounding). Quantized-activation and tie-affected formats: float32 noise (sdpa vs modelopt's attention) or
 # tie flips move a few activation/weight codes by one step, so the bound is relative to the quantization error
