@@ -8,7 +8,7 @@ import yaml
 from lowbit.errors import UserError
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
-ALGORITHMS = ("max", "awq_lite", "awq_clip", "awq_full", "smoothquant", "rtn", "mse")
+ALGORITHMS = ("max", "awq_lite", "awq_clip", "awq_full", "smoothquant", "rtn")
 ROUNDINGS = ("nearest", "gptq")  # how weights meet their calibrated scales (calibrate/gptq.py)
 
 
