@@ -145,7 +145,8 @@ def codes_and_grid(algo: str, t: dict, w: torch.Tensor):
     if algo == "W4A16_AWQ":
         s = t["weight_scale"].float()
         scale = s.repeat_interleave(w.shape[1] // s.shape[1], dim=1)
-        return formats.unpack_int4_rows(t["weight"]), lambda x: (x / scale).round().to(torch.int8), scale
+        # clamp: AWQ's clip search leaves group amax below the group's largest weight
+        return formats.unpack_int4_rows(t["weight"]), lambda x: (x / scale).round().clamp(-8, 7).to(torch.int8), scale
     scale = t["weight_scale"].float().reshape(-1, 1).expand_as(w)
     if algo == "W8A8_SQ_PER_CHANNEL":
         return t["weight"], lambda x: (x / scale).round().clamp(-128, 127).to(torch.int8), scale
