@@ -8,7 +8,8 @@ import yaml
 from lowbit.errors import UserError
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
-ALGORITHMS = ("max", "awq_lite", "smoothquant", "rtn")
+ALGORITHMS = ("max", "awq_lite", "awq_clip", "awq_full", "smoothquant", "rtn")
+ROUNDINGS = ("nearest", "gptq")  # how weights meet their calibrated scales (calibrate/gptq.py)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class Recipe:
     kv_cache: str | None = None  # a kv_cache_quant_algo: calibrated k_scale/v_scale for every layer
     algorithm: str = "max"  # calibration algorithm
     algorithm_args: dict = field(default_factory=dict)  # e.g. {alpha: 0.5} for smoothquant
+    rounding: str = "nearest"  # nearest | gptq: GPTQ rounding against the calibrated scales, after `algorithm`
+    rounding_args: dict = field(default_factory=dict)  # gptq: {damp: fraction of mean diag(H) added, block: columns, static_groups}
     group_size: int | None = None  # block/group size of weight scales where the format has one
     exclude: tuple = ("lm_head",)  # fnmatch patterns of module names left unquantized
     calibration: Calibration = Calibration()
@@ -108,6 +111,10 @@ def validate(r: Recipe) -> None:
         bad("algorithm", f"{r.algorithm!r} is not one of {', '.join(ALGORITHMS)}")
     if not isinstance(r.algorithm_args, dict):
         bad("algorithm_args", "must be a mapping")
+    _check_algorithm_args(r, bad)
+    if r.rounding not in ROUNDINGS:
+        bad("rounding", f"{r.rounding!r} is not one of {', '.join(ROUNDINGS)}")
+    _check_rounding_args(r, bad)
     if r.group_size is not None and (not isinstance(r.group_size, int) or r.group_size <= 0):
         bad("group_size", f"{r.group_size!r} is not a positive integer")
     if not all(isinstance(p, str) for p in r.exclude):
@@ -121,3 +128,29 @@ def validate(r: Recipe) -> None:
         bad("calibration.seed", f"{c.seed!r} is not an integer")
     if not isinstance(r.gate, dict):
         bad("gate", "must be a mapping of threshold names to numbers")
+
+
+UNIT_ARGS = ("alpha", "alpha_step", "shrink_step", "min_clip_ratio")  # algorithm_args that must lie in [0, 1]
+
+
+def _check_algorithm_args(r: Recipe, bad) -> None:
+    for key, value in r.algorithm_args.items():
+        if key in UNIT_ARGS and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
+            bad(f"algorithm_args.{key}", f"{value!r} is not a number in [0, 1]")
+
+
+def _check_rounding_args(r: Recipe, bad) -> None:
+    if not isinstance(r.rounding_args, dict):
+        bad("rounding_args", "must be a mapping")
+    for key, value in r.rounding_args.items():
+        if key == "damp":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                bad("rounding_args.damp", f"{value!r} is not a number in (0, 1]")
+        elif key == "block":
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                bad("rounding_args.block", f"{value!r} is not a positive integer")
+        elif key == "static_groups":
+            if not isinstance(value, bool):
+                bad("rounding_args.static_groups", f"{value!r} is not true or false")
+        else:
+            bad("rounding_args", f"unknown argument {key!r} (known: block, damp, static_groups)")

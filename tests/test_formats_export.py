@@ -14,7 +14,7 @@ import torch
 
 from lowbit import formats
 
-RECIPES = ("fp8", "fp8_dynamic", "nvfp4", "int4_awq", "int4_rtn", "w8a8_sq")
+RECIPES = ("fp8", "fp8_dynamic", "nvfp4", "int4_awq", "int4_rtn", "int4_gptq", "w8a8_sq")
 # Reader vs modelopt fake-quant logits on 64 held-out tokens. AWQ: max |diff| <= EXACT_TOL (same numbers up to
 # float rounding). Quantized-activation and tie-affected formats: float32 noise (sdpa vs modelopt's attention) or
 # tie flips move a few activation/weight codes by one step, so the bound is relative to the quantization error
@@ -145,7 +145,8 @@ def codes_and_grid(algo: str, t: dict, w: torch.Tensor):
     if algo == "W4A16_AWQ":
         s = t["weight_scale"].float()
         scale = s.repeat_interleave(w.shape[1] // s.shape[1], dim=1)
-        return formats.unpack_int4_rows(t["weight"]), lambda x: (x / scale).round().to(torch.int8), scale
+        # clamp: AWQ's clip search leaves group amax below the group's largest weight
+        return formats.unpack_int4_rows(t["weight"]), lambda x: (x / scale).round().clamp(-8, 7).to(torch.int8), scale
     scale = t["weight_scale"].float().reshape(-1, 1).expand_as(w)
     if algo == "W8A8_SQ_PER_CHANNEL":
         return t["weight"], lambda x: (x / scale).round().clamp(-128, 127).to(torch.int8), scale

@@ -35,7 +35,7 @@ def test_all_recipes_ship_and_map_to_their_stock_format():
 
 def test_algorithm_arguments_reach_modelopt():
     assert modelopt_config(load_recipe("w8a8_sq"))["algorithm"] == {"method": "smoothquant", **load_recipe("w8a8_sq").algorithm_args}
-    assert modelopt_config(load_recipe("int4_awq"))["algorithm"]["method"] == "awq_lite"
+    assert modelopt_config(load_recipe("int4_awq"))["algorithm"]["method"] == "awq_full"
     assert modelopt_config(load_recipe("int4_rtn"))["algorithm"] == "max"
 
 

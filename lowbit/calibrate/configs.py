@@ -32,6 +32,9 @@ def check_algorithm(recipe: Recipe) -> None:
     if recipe.algorithm not in calib.algorithms:
         raise UserError(f"{recipe.source}: bad value for 'algorithm': {recipe.algorithm!r} does not apply to "
                         f"{recipe.quant_algo} (use {' or '.join(calib.algorithms)})")
+    if recipe.rounding not in calib.roundings:
+        raise UserError(f"{recipe.source}: bad value for 'rounding': {recipe.rounding!r} does not apply to "
+                        f"{recipe.quant_algo} (use {' or '.join(calib.roundings)})")
     if calib.block is not None and recipe.group_size not in (None, calib.block):
         raise UserError(f"{recipe.source}: bad value for 'group_size': {recipe.quant_algo} blocks are "
                         f"{calib.block} wide")

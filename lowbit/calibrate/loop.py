@@ -61,6 +61,10 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
         cfg = config if config is not None else modelopt_config(recipe, model)
         model = mtq.quantize(model, cfg, forward_loop(batches, desc=f"calibrating {recipe.name}",
                                                     later_passes=f"{recipe.algorithm} pass"))
+        if recipe.rounding == "gptq" and config is None:
+            from lowbit.calibrate.gptq import gptq_round
+
+            gptq_round(model, forward_loop(batches, desc=f"GPTQ Hessians {recipe.name}"), **recipe.rounding_args)
     if recipe.kv_cache:
         check_kv_calibrated(model)
     print(f"[lowbit] calibrated {len(batches)} x {len(batches[0])} tokens in {time.time() - t0:.1f} s", file=sys.stderr)

@@ -38,6 +38,7 @@ class Calibration:
     stock_by_algorithm: dict = field(default_factory=dict)  # algorithm -> another stock config
     block: int | None = None  # the one group size the format allows (a recipe may leave it unset)
     group_required: bool = False  # a recipe must set group_size; it becomes the weight quantizer's block size
+    roundings: tuple = ("nearest",)  # weight roundings a recipe may ask for (gptq: int4 group scales only)
 
     def stock_name(self, algorithm: str) -> str:
         return self.stock_by_algorithm.get(algorithm, self.stock)

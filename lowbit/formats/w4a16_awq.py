@@ -17,8 +17,9 @@ class W4A16Awq(Format):
     tensors = Tensors(("weight", "weight_scale"), ("pre_quant_scale",))
     kernel = "int4"
     shard_dims = GROUP_SHARD_DIMS  # per-group scales split with the input features too
-    calibration = Calibration("INT4_AWQ_CFG", ("awq_lite", "rtn"), {"rtn": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"},
-                              group_required=True)
+    calibration = Calibration("INT4_AWQ_CFG", ("awq_lite", "awq_clip", "awq_full", "rtn"),
+                              {"rtn": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"}, group_required=True,
+                              roundings=("nearest", "gptq"))
 
     def shape(self, t: dict) -> tuple[int, int]:
         rows, inp = t["weight"].shape
