@@ -29,7 +29,7 @@ def test_unsupported_architecture_names_the_supported_ones(llama_dir):
     (llama_dir / "config.json").write_text(json.dumps(config | {"architectures": ["FalconForCausalLM"]}))
     try:
         with pytest.raises(ValueError, match=r"\['FalconForCausalLM'\] is not supported; supported: .*"
-                                             r"'MistralForCausalLM', 'Phi3ForCausalLM'"):
+                                             r"'MistralForCausalLM', .*'Phi3ForCausalLM'"):
             Engine(str(llama_dir))
     finally:
         (llama_dir / "config.json").write_text(json.dumps(config))

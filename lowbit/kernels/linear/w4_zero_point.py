@@ -15,7 +15,7 @@ which is of the size of |y| (codes and zero points are both centred on 0).
 import torch
 
 from lowbit.kernels import routes
-from lowbit.kernels._triton import cdiv, early_kernel, next_pow2, tl, wait_for_producers
+from lowbit.kernels._triton import cdiv, kernel, next_pow2, tl, wait_for_producers
 
 CHUNK = 128  # x elements summed per chunk: a group is one chunk (groups of 16-128) or several (multiples of 128)
 BLOCK_N = 128
@@ -69,7 +69,7 @@ def correct(x: torch.Tensor, w, bias=None, y=None) -> torch.Tensor:
     return out
 
 
-@early_kernel  # waits for x's producer before its first load
+@kernel
 def _correction_kernel(x_ptr, smooth_ptr, zs_ptr, bias_ptr, out_ptr, N, K, GROUP: tl.constexpr, CH: tl.constexpr,
                        BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SMOOTH: tl.constexpr,
                        HAS_BIAS: tl.constexpr, HAS_Y: tl.constexpr, PDL: tl.constexpr):
