@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from lowbit import formats, kernels
+from lowbit.serve.layers import ops
 from lowbit.serve.layers.linear import Linear
 
 
@@ -70,7 +71,7 @@ class MoeExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sum over each token's top_k experts of weight * expert(x) [T, H]."""
-        return kernels.fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, fp8=self.fp8)
+        return ops.fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, fp8=self.fp8)
 
 
 def _row_scales(weight_scale: torch.Tensor, rows: int) -> torch.Tensor:
