@@ -66,3 +66,13 @@ def test_tiny_fp8_dummy_serves_on_cpu():
     prompts = [[(5 * i + n) % 250 + 3 for i in range(n)] for n in (3, 21, 40)]
     together = greedy(engine, prompts, 4)
     assert together[1] == greedy(engine, prompts[1:2], 4)[0] and all(len(t) == 4 for t in together)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_qwen3_moe_kernels_and_graphs_match_reference_path_on_gpu(fmt):
+    from lowbit.bench import serve_bench as bench
+
+    res = bench.check_format(bench.parse(["--check-layers", "2", "--model", "qwen3-30b-a3b", "--phases", "check"]),
+                             fmt)
+    assert res["graph_used"] and res["pass"], res
