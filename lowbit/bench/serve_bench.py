@@ -237,7 +237,16 @@ STATIC_W8A8_FORMATS = {formats.FP8: fp8_linear_fp32, formats.W8A8_SQ_PER_CHANNEL
 
 
 # the kernel ops layers call
-LAYER_OPS = ("dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul", "gelu_tanh_and_mul")
+LAYER_OPS = ("dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul", "gelu_tanh_and_mul", "fused_moe")
+
+
+def fused_moe_fp32(x, w13, w2, topk_ids, topk_weights, fp8=None):
+    """The MoE reference in fp32 math (16-bit experts upcast; FP8 experts already are), rounded to x's dtype."""
+    from lowbit.kernels import fused_moe_ref
+
+    if fp8 is None:
+        w13, w2 = w13.float(), w2.float()
+    return fused_moe_ref(x.float(), w13, w2, topk_ids, topk_weights, fp8=fp8).to(x.dtype)
 
 
 def dense_linear_fp32(x, weight, bias=None, silu_mul=False):
@@ -268,7 +277,7 @@ def reference_path(engine, reader_rounding: bool = False):
     backend, graphs = attn_mod._backend, engine.runner.graphs
     layers_mod.dense_linear, layers_mod.quant_linear, layers_mod.rms_norm = dense_linear_fp32, ref_linear, rms_norm_ref
     layers_mod.rotary, layers_mod.silu_and_mul = rotary_ref, silu_and_mul_ref  # rotary_store_kv: the backend's
-    layers_mod.gelu_tanh_and_mul = gelu_tanh_and_mul_ref
+    layers_mod.gelu_tanh_and_mul, layers_mod.fused_moe = gelu_tanh_and_mul_ref, fused_moe_fp32
     attn_mod.set_attention_backend(attn_mod.TorchAttentionBackend() if reader_rounding else Fp32KvAttention())
     engine.runner.graphs = None
     try:

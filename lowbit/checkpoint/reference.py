@@ -9,6 +9,7 @@ from torch import nn
 
 from lowbit import formats
 from lowbit.checkpoint.io import read
+from lowbit.checkpoint.reference_moe import swap_quantized_experts
 
 KV_ATTENTION = "lowbit_quant_kv"
 
@@ -80,6 +81,7 @@ def load_reference_model(path, dtype=torch.float32):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tensors = ckpt.tensors()
     _swap_quantized_linears(model, ckpt, tensors)
+    swap_quantized_experts(model, ckpt, tensors, lambda name: _reference_linear(ckpt, tensors, name))
     floats = {k: v.to(dtype) for k, v in tensors.items() if not _is_quant_tensor(k, model)}
     model.load_state_dict(floats, strict=False, assign=True)
     model.tie_weights()
@@ -103,6 +105,11 @@ def _swap_quantized_linears(model: nn.Module, ckpt, tensors: dict) -> None:
         bias = tensors.get(f"{name}.bias")
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, ReferenceQuantLinear(fmt, parts, bias))
+
+
+def _reference_linear(ckpt, tensors: dict, name: str) -> ReferenceQuantLinear:
+    parts = {s: tensors[f"{name}.{s}"] for s in formats.TENSOR_SUFFIXES if f"{name}.{s}" in tensors}
+    return ReferenceQuantLinear(ckpt.layer_format(name), parts, tensors.get(f"{name}.bias"))
 
 
 def _is_quant_tensor(key: str, model: nn.Module) -> bool:

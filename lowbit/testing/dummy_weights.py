@@ -44,13 +44,25 @@ MISTRAL_7B = {  # Mistral-7B-Instruct-v0.3's shapes (no sliding window; v0.1's 4
     "vocab_size": 32768, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
     "sliding_window": None, "tie_word_embeddings": False, "dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }
-PRESETS = {"llama-3.1-8b": LLAMA_3_1_8B, "gemma-3-12b": GEMMA_3_12B, "mistral-7b": MISTRAL_7B}  # `lowbit bench serve --model NAME`
+QWEN3_30B_A3B = {  # Qwen3-30B-A3B's shapes: every layer sparse, 128 experts, top-8 renormalised
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+}
+EXTRA_NORMS["Qwen3MoeForCausalLM"] = ("self_attn.q_norm", "self_attn.k_norm")
+PRESETS = {"llama-3.1-8b": LLAMA_3_1_8B, "gemma-3-12b": GEMMA_3_12B, "mistral-7b": MISTRAL_7B,
+           "qwen3-30b-a3b": QWEN3_30B_A3B}  # `lowbit bench serve --model NAME`
 FORMATS = {  # name -> (quant_algo of the linears, kv_cache_quant_algo)
     "bf16": (None, None), "fp8": (formats.FP8.name, formats.KV_FP8.name), "int4_awq": (formats.W4A16_AWQ.name, None),
     "nvfp4": (formats.NVFP4.name, None), "w8a8_sq": (formats.W8A8_SQ_PER_CHANNEL.name, None),
 }
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")  # Qwen3-MoE's per-expert linears, `mlp.experts.{e}.{part}`
+ROUTER = "mlp.gate"  # a sparse layer's router linear [num_experts, hidden], left 16-bit as modelopt leaves it
 STD = 0.02  # HF's initializer_range: keeps 32 random layers finite and the logits spread
 
 
@@ -64,7 +76,7 @@ def dummy_checkpoint(fmt: str = "bf16", config: dict | None = None, seed: int = 
         config["max_position_embeddings"] = max_position_embeddings
     algo, kv_algo = FORMATS[fmt]
     quant = None if algo is None else {"quant_algo": algo, "kv_cache_quant_algo": kv_algo,
-                                       "exclude_modules": ["lm_head"], "group_size": 128}
+                                       "exclude_modules": ["lm_head", f"*.{ROUTER}"], "group_size": 128}
     return DummyCheckpoint(Path(f"dummy-{fmt}"), config, quant, None, None, seed=seed, device=torch.device(device),
                            std=std)
 
@@ -129,6 +141,10 @@ class LazyTensors(Mapping):
 def _linear_shape(c: dict, module: str) -> tuple[int, int]:
     """(out_features, in_features) of a linear module by its HF name."""
     h, inter = c["hidden_size"], c["intermediate_size"]
+    if ".experts." in module:
+        inter = c["moe_intermediate_size"]
+    if module.endswith("." + ROUTER):
+        return c["num_experts"], h
     d = c.get("head_dim") or h // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
@@ -144,7 +160,19 @@ def _tensor_names(ckpt: DummyCheckpoint) -> set[str]:
         p = f"model.layers.{i}."
         names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
         names |= {p + n + ".weight" for n in EXTRA_NORMS.get(c["architectures"][0], ())}
-        names |= {p + m + "." + s for m in LINEARS for s in suffixes}
+        if _sparse(c, i):
+            names |= {p + m + "." + s for m in LINEARS[:4] for s in suffixes} | {f"{p}{ROUTER}.weight"}
+            names |= {f"{p}mlp.experts.{e}.{part}.{s}" for e in range(c["num_experts"]) for part in EXPERT_PARTS
+                      for s in suffixes}
+        else:
+            names |= {p + m + "." + s for m in LINEARS for s in suffixes}
         if ckpt.kv_format is not None:
             names |= {f"{p}self_attn.{name}" for name in ckpt.kv_format.scale_names().values()}
     return names
+
+
+def _sparse(c: dict, layer: int) -> bool:
+    """Whether decoder layer `layer` has a MoE block (the served Qwen3-MoE's rule)."""
+    from lowbit.serve.models.qwen3_moe import is_sparse_layer
+
+    return bool(c.get("num_experts")) and is_sparse_layer(c, layer)

@@ -4,9 +4,19 @@ e = topk_ids[t, j]; the Triton path is two grouped GEMMs (one launch per project
 Weights are stacked per projection: w13 [E, 2I, H] (gate rows then up rows of each expert, as transformers'
 gate_up_proj), w2 [E, H, I]. Rounding (both paths): each GEMM accumulates in fp32 and stores x's dtype; silu(gate) * up
 in fp32, stored in x's dtype; the combine sums the top_k weighted rows in fp32 and rounds once.
+
+FP8 experts (`fp8=Fp8Scales(...)`): w13 / w2 are float8_e4m3fn and every expert e quantizes its own input rows with
+its own static input scale, q = fp8(clamp(a / a_scale[e], +-448)), as a per-expert modelopt linear does (a shared
+scale, e.g. the layer's largest, would round and clip differently wherever the experts' scales differ). The GEMM
+dequantizes in its epilogue: acc * a_scale[e] * w_scale[e, n], with one weight scale per output row (a per-tensor
+scale repeated, or gate's and up's when a merged gate/up carries two).
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+from lowbit.formats.numerics import fake_quant_fp8
 
 from lowbit.kernels._triton import cdiv, kernel, next_pow2, on_gpu, tl, wait_for_producers
 from lowbit.kernels.moe.align import moe_align
@@ -17,17 +27,38 @@ BLOCK_N = 64
 BLOCK_K = 64
 
 
+class Fp8Scales(NamedTuple):
+    """Scales of FP8 experts, all float32 on the weights' device: w13_scale [E, 2I] and w2_scale [E, H] (one per
+    output row of each expert's weight), a13_scale [E] and a2_scale [E] (each expert's static input scale)."""
+    w13_scale: torch.Tensor
+    a13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    a2_scale: torch.Tensor
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x's dtype), topk_ids [T, k] int, topk_weights [T, k] float -> [T, H]."""
+              topk_weights: torch.Tensor, fp8: Fp8Scales | None = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x's dtype, or float8_e4m3fn with fp8), topk_ids [T, k] int,
+    topk_weights [T, k] float -> [T, H]."""
     if on_gpu(x):
-        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights)
-    return fused_moe_ref(x, w13, w2, topk_ids, topk_weights)
+        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, fp8=fp8)
+    return fused_moe_ref(x, w13, w2, topk_ids, topk_weights, fp8=fp8)
 
 
-def fused_moe_ref(x, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
+def expert_linear_ref(a: torch.Tensor, w: torch.Tensor, e: int, w_scale=None, a_scale=None) -> torch.Tensor:
+    """a [M, K] @ w[e]^T in a's dtype; with FP8 scales: fake-quantized a (expert e's input scale) times the
+    dequantized weight, in fp32."""
+    if w_scale is None:
+        return F.linear(a, w[e])
+    aq = fake_quant_fp8(a, a_scale[e].float())
+    return (aq @ (w[e].float() * w_scale[e].float()[:, None]).t()).to(a.dtype)
+
+
+def fused_moe_ref(x, w13, w2, topk_ids, topk_weights, fp8: Fp8Scales | None = None) -> torch.Tensor:
     """Torch reference: the (token, slot) pairs sorted by expert, one pair of GEMMs per expert that has any, then the
     weighted sum over each token's top_k rows."""
+    s13, s2 = ((None, None), (None, None)) if fp8 is None else ((fp8.w13_scale, fp8.a13_scale),
+                                                               (fp8.w2_scale, fp8.a2_scale))
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
@@ -38,8 +69,8 @@ def fused_moe_ref(x, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
         if n == 0:
             continue
         pairs = order[start:start + n]
-        h = silu_and_mul_ref(F.linear(x[pairs // k], w13[e]))
-        rows[pairs] = F.linear(h, w2[e])
+        h = silu_and_mul_ref(expert_linear_ref(x[pairs // k], w13, e, *s13))
+        rows[pairs] = expert_linear_ref(h, w2, e, *s2)
         start += n
     return combine_ref(rows, topk_weights)
 
@@ -51,40 +82,56 @@ def combine_ref(rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     return out.to(rows.dtype)
 
 
-def fused_moe_triton(x, w13, w2, topk_ids, topk_weights, block_m: int = BLOCK_M) -> torch.Tensor:
+def fused_moe_triton(x, w13, w2, topk_ids, topk_weights, block_m: int = BLOCK_M,
+                     fp8: Fp8Scales | None = None) -> torch.Tensor:
     """The Triton path (also under the CPU interpreter): align, grouped GEMM (gate/up), SiLU-and-mul, grouped GEMM
     (down), combine."""
+    s13, s2 = ((None, None), (None, None)) if fp8 is None else ((fp8.w13_scale, fp8.a13_scale),
+                                                               (fp8.w2_scale, fp8.a2_scale))
     t, k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     sorted_ids, block_expert = moe_align(topk_ids, num_experts, block_m)
-    gate_up = grouped_gemm(x, w13, sorted_ids, block_expert, t * k, k, block_m)
+    gate_up = grouped_gemm(x, w13, sorted_ids, block_expert, t * k, k, block_m, *s13)
     if x.is_cuda:
         from lowbit.kernels.ops.activation import silu_and_mul
         act = silu_and_mul(gate_up)
     else:  # interpreter tests: the activation kernel has its own
         act = silu_and_mul_ref(gate_up)
-    rows = grouped_gemm(act, w2, sorted_ids, block_expert, t * k, 1, block_m)
+    rows = grouped_gemm(act, w2, sorted_ids, block_expert, t * k, 1, block_m, *s2)
     return combine(rows, topk_weights)
 
 
-def grouped_gemm(a, w, sorted_ids, block_expert, num_pairs: int, a_row_div: int, block_m: int) -> torch.Tensor:
-    """out[i] = a[i // a_row_div] @ w[expert of i]^T for every pair i listed in sorted_ids: [num_pairs, N]."""
+def grouped_gemm(a, w, sorted_ids, block_expert, num_pairs: int, a_row_div: int, block_m: int,
+                 w_scale=None, a_scale=None) -> torch.Tensor:
+    """out[i] = a[i // a_row_div] @ w[expert of i]^T for every pair i listed in sorted_ids: [num_pairs, N] in a's
+    dtype. With w_scale [E, N] and a_scale [E] (fp32), w is float8_e4m3fn and a is quantized per expert in the
+    kernel."""
     n, kdim = w.shape[1], w.shape[2]
     if a.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("grouped_gemm: a and w need unit stride along K")
+    fp8 = w_scale is not None
+    if fp8 and (w.dtype != torch.float8_e4m3fn or tuple(w_scale.shape) != (w.shape[0], n)
+                or tuple(a_scale.shape) != (w.shape[0],)):
+        raise ValueError(f"grouped_gemm: FP8 needs float8_e4m3fn w [E, N, K] with w_scale [E, N] and a_scale [E]; "
+                         f"got {w.dtype} {tuple(w.shape)}, {tuple(w_scale.shape)}, {tuple(a_scale.shape)}")
+    if fp8:
+        w_scale, a_scale = w_scale.float().contiguous(), a_scale.float().contiguous()
+    else:  # unused pointers
+        w_scale = a_scale = w
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
     grid = (block_expert.numel(), cdiv(n, BLOCK_N))
-    _grouped_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, num_pairs, n, kdim, a.stride(0),
-                               w.stride(0), w.stride(1), out.stride(0), A_ROW_DIV=a_row_div, IEEE=a.dtype == torch.float32,
-                               BLOCK_M=block_m,
+    _grouped_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, w_scale, a_scale, num_pairs, n, kdim, a.stride(0),
+                               w.stride(0), w.stride(1), out.stride(0), A_ROW_DIV=a_row_div,
+                               IEEE=a.dtype == torch.float32 and not fp8, FP8=fp8, BLOCK_M=block_m,
                                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out
 
 
 @kernel
-def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, N, K, stride_am,
-                         stride_we, stride_wn, stride_om, A_ROW_DIV: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, w_scale_ptr, a_scale_ptr, num_pairs, N, K,
+                         stride_am, stride_we, stride_wn, stride_om, A_ROW_DIV: tl.constexpr, IEEE: tl.constexpr,
+                         FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr):
     """One program: BLOCK_M sorted rows (all of one expert, or padding) x BLOCK_N output columns."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -98,16 +145,24 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, nu
     col_ok = cols < N
     w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FP8:
+        a_scale = tl.load(a_scale_ptr + expert)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         b = tl.load(w_base + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        if IEEE:  # fp32 operands: full precision, not TF32
+        if FP8:  # this expert's static input scale; padding rows and columns past K are 0
+            a = tl.minimum(tl.maximum(a.to(tl.float32) / a_scale, -448.0), 448.0).to(tl.float8e4nv)
+            acc = tl.dot(a, b, acc)
+        elif IEEE:  # fp32 operands: full precision, not TF32
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+    if FP8:
+        w_scale = tl.load(w_scale_ptr + expert.to(tl.int64) * N + cols, mask=col_ok, other=0.0)
+        acc = acc * a_scale * w_scale[None, :]
     out_rows = tl.where(row_ok, pairs, 0).to(tl.int64)
     tl.store(out_ptr + out_rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])

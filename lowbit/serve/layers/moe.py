@@ -3,7 +3,8 @@ run over all tokens at once by lowbit.kernels.fused_moe (tokens sorted by expert
 import torch
 from torch import nn
 
-from lowbit import kernels
+from lowbit import formats, kernels
+from lowbit.serve.layers import ops
 from lowbit.serve.layers.linear import Linear
 
 
@@ -29,6 +30,7 @@ class MoeExperts(nn.Module):
         self.part_names = part_names
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
+        self.fp8 = None  # kernels.Fp8Scales when w13 / w2 are float8_e4m3fn
 
     def load(self, w13: torch.Tensor, w2: torch.Tensor, device, dtype) -> None:
         e, h, i = self.num_experts, self.hidden, self.intermediate
@@ -38,9 +40,44 @@ class MoeExperts(nn.Module):
         self.w13 = w13.to(device, dtype).contiguous()
         self.w2 = w2.to(device, dtype).contiguous()
 
+    def load_quantized(self, fmt: formats.Format, experts: list, device, where: str) -> None:
+        """experts[e] = (gate, up, down) checkpoint tensors ({suffix: tensor}) of format fmt. FP8 per-tensor only:
+        gate and up merge by the format's rule (a shared input scale; a weight scale per output row), each expert
+        keeps its own scales. where: the experts' checkpoint name, for errors."""
+        if fmt.kernel != "fp8" or fmt.activation != formats.ACT_STATIC:
+            raise ValueError(f"{where}: {fmt.name} experts are not supported (static per-tensor FP8 experts are)")
+        e, h, i = self.num_experts, self.hidden, self.intermediate
+        w13, w2, s13, a13, s2, a2 = [], [], [], [], [], []
+        for idx, (gate, up, down) in enumerate(experts):
+            extra = (set(gate) | set(up) | set(down)) - {"weight", "weight_scale", "input_scale"}
+            if extra:
+                raise ValueError(f"{where}.{idx}: expert tensors {sorted(extra)} are not supported")
+            merged = fmt.merge([gate, up])
+            if merged is None:
+                raise ValueError(f"{where}.{idx}: gate and up have different input scales and cannot merge")
+            for label, t, shape in (("gate/up", merged, (2 * i, h)), ("down", down, (h, i))):
+                if tuple(t["weight"].shape) != shape:
+                    raise ValueError(f"{where}.{idx}: {label} weight {tuple(t['weight'].shape)}; expected {shape}")
+            w13.append(merged["weight"].to(device))
+            w2.append(down["weight"].to(device))
+            s13.append(_row_scales(merged["weight_scale"], 2 * i).to(device))
+            s2.append(_row_scales(down["weight_scale"], h).to(device))
+            a13.append(merged["input_scale"].float().reshape(()).to(device))
+            a2.append(down["input_scale"].float().reshape(()).to(device))
+        if len(experts) != e:
+            raise ValueError(f"{where}: {len(experts)} experts; expected {e}")
+        self.w13, self.w2 = torch.stack(w13).contiguous(), torch.stack(w2).contiguous()
+        self.fp8 = kernels.Fp8Scales(torch.stack(s13), torch.stack(a13), torch.stack(s2), torch.stack(a2))
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sum over each token's top_k experts of weight * expert(x) [T, H]."""
-        return kernels.fused_moe(x, self.w13, self.w2, topk_ids, topk_weights)
+        return ops.fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, fp8=self.fp8)
+
+
+def _row_scales(weight_scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A per-tensor scale or one per output row ([rows] / [rows, 1]) -> float32 [rows]."""
+    s = weight_scale.float().reshape(-1)
+    return s.expand(rows).clone() if s.numel() == 1 else s
 
 
 class SparseMoe(nn.Module):

@@ -96,21 +96,25 @@ def _load_merged(ckpt, tensors, name, module: MergedLinear, device, dtype, tp=No
 
 def _load_experts(ckpt, tensors, name, module: MoeExperts, device, dtype, tp=None) -> None:
     """Stacked expert weights from transformers' fused `{name}.gate_up_proj` [E, 2I, H] / `{name}.down_proj`
-    [E, H, I], or from the per-expert linears `{name}.{e}.{part}.weight` (unquantized only)."""
+    [E, H, I], or from the per-expert linears `{name}.{e}.{part}.*` (16-bit, or one quantized format that
+    MoeExperts.load_quantized takes)."""
     if tp is not None:
         raise ValueError(f"{ckpt.path}: tensor parallelism does not split the experts of {name}")
     if f"{name}.gate_up_proj" in tensors:
         module.load(tensors[f"{name}.gate_up_proj"], tensors[f"{name}.down_proj"], device, dtype)
         return
-    gate, up, down = module.part_names
-    w13, w2 = [], []
-    for e in range(module.num_experts):
-        parts = [_linear_tensors(ckpt, tensors, f"{name}.{e}.{part}") for part in (gate, up, down)]
-        quantized = [f"{name}.{e}.{part}" for part, (algo, _) in zip((gate, up, down), parts) if algo is not None]
-        if quantized:
-            raise ValueError(f"{ckpt.path}: quantized experts ({quantized[0]}) are not supported")
-        w13.append(torch.cat([parts[0][1]["weight"], parts[1][1]["weight"]]).to(device))
-        w2.append(parts[2][1]["weight"].to(device))
+    names = [[f"{name}.{e}.{part}" for part in module.part_names] for e in range(module.num_experts)]
+    parts = [[_linear_tensors(ckpt, tensors, n) for n in expert] for expert in names]
+    algos = {algo for expert in parts for algo, _ in expert}
+    if algos != {None}:
+        if len(algos) > 1:
+            raise ValueError(f"{ckpt.path}: the experts of {name} mix quantization formats "
+                             f"({sorted(str(a) for a in algos)})")
+        module.load_quantized(formats.get(algos.pop()), [[t for _, t in expert] for expert in parts], device,
+                              f"{ckpt.path}: {name}")
+        return
+    w13 = [torch.cat([gate["weight"], up["weight"]]).to(device) for (_, gate), (_, up), _ in parts]
+    w2 = [down["weight"].to(device) for _, _, (_, down) in parts]
     module.load(torch.stack(w13), torch.stack(w2), device, dtype)
 
 
