@@ -8,7 +8,8 @@ def map_body(ctx, body):
         if "model" in body:
             body["model"] = "smollm2-135m"
         for key in ("max_tokens", "max_completion_tokens"):
-            if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > 4:
+            # short generations, but a value over the schema's bound (the context) stays, to be refused
+            if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and 4 < body[key] <= 8192:
                 body[key] = 4
         if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) and body["n"] > 2:
             body["n"] = 2

@@ -45,6 +45,8 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 StopText = Annotated[str, Field(max_length=1024), AfterValidator(_valid_unicode)]
 TokenId = Annotated[int, Field(ge=0)]  # below the model's vocabulary size: the served schema states it (api.py)
 _ONLY_ZERO = {"minimum": 0, "maximum": 0}
+PromptText = Annotated[Text, Field(json_schema_extra={"minLength": 1})]  # one of several prompts: not empty
+TokenIds = Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]
 MAX_PROMPTS = 1024  # prompts in one completion request
 MAX_STOP = 16  # stop strings per request
 
@@ -105,12 +107,12 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     # the schema states the non-empty rule that prompts() and the engine enforce (with their own 400 messages)
-    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]] = Field(json_schema_extra={"minLength": 1, "minItems": 1})
+    prompt: Text | list[PromptText] | list[TokenId] | list[TokenIds] = Field(json_schema_extra={"minLength": 1, "minItems": 1})
     max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, json_schema_extra={"minimum": 1, "maximum": 1})  # params() names it
-    suffix: str | None = None
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})  # not served: params() names it
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -58,7 +58,7 @@ def tools_spec(tools: list[dict], tool_choice, parallel: bool | None = None) -> 
     "function": {"name"}} (None: "auto" with tools) -> spec (None: unconstrained). parallel (OpenAI's
     parallel_tool_calls): False allows one call only."""
     if not tools:
-        if tool_choice not in (None, "none"):
+        if tool_choice not in (None, "none", "auto"):  # nothing to call: "auto" is plain text
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         return None
     schema_tools = tuple({"name": t["name"], "parameters": t["parameters"]} for t in tools)
