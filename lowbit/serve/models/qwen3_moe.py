@@ -9,7 +9,7 @@ from lowbit.serve.layers.linear import Linear
 from lowbit.serve.layers.moe import SparseMoe
 from lowbit.serve.layers.norm import RMSNorm
 from lowbit.serve.layers.rotary import RotaryEmbedding
-from lowbit.serve.models.llama import LlamaAttention
+from lowbit.serve.models.llama import LlamaAttention, LlamaModel
 from lowbit.serve.models.mistral import require_silu
 from lowbit.serve.models.qwen import _refuse_sliding_window
 from lowbit.serve.runner.context import StepContext
@@ -52,12 +52,7 @@ class MoeModel(nn.Module):
                                     for i in range(config["num_hidden_layers"]))
         self.norm = RMSNorm(hidden, config["rms_norm_eps"])
 
-    def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, ctx)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    forward = LlamaModel.forward  # the same embed -> layers -> norm chain
 
 
 class MoeForCausalLM(nn.Module):

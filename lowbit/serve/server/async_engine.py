@@ -68,21 +68,10 @@ class AsyncEngine:
         self._queues.pop(request_id, None)
         self._commands.put((self.engine.abort, (request_id,)))
 
-    async def stream(self, request_id: str, outputs: asyncio.Queue):
+    def stream(self, request_id: str, outputs: asyncio.Queue):
         """Yields the request's RequestOutputs until the finished one; aborts it if the consumer stops early."""
-        finished = False
-        try:
-            while not finished:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"the engine stopped: {item!r}") from item
-                finished = item.finished
-                if finished:
-                    count_tokens(len(item.prompt_token_ids), len(item.outputs[0].token_ids))
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return drain(outputs, lambda: self.abort(request_id),
+                     lambda e: EngineDeadError(f"the engine stopped: {e!r}"))
 
     async def snapshot(self) -> tuple[str, int]:
         """(Prometheus text, KV blocks in use), taken between two steps."""
@@ -152,3 +141,24 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+
+async def drain(outputs: asyncio.Queue, abort, dead=None):
+    """A request's RequestOutputs from its queue until the finished one (the finished one's tokens counted for the
+    access log); an exception put in the queue is raised (as dead(e) when given); abort() when the consumer stops
+    early."""
+    finished = False
+    try:
+        while not finished:
+            item = await outputs.get()
+            if isinstance(item, BaseException):
+                if dead is None:
+                    raise item
+                raise dead(item) from item
+            finished = item.finished
+            if finished:
+                count_tokens(len(item.prompt_token_ids), len(item.outputs[0].token_ids))
+            yield item
+    finally:
+        if not finished:
+            abort()

@@ -18,8 +18,7 @@ from types import SimpleNamespace
 from lowbit import models
 from lowbit.serve.engine.engine import Engine
 from lowbit.serve.server import dp_metrics, dp_replica
-from lowbit.serve.server.access_log import count_tokens
-from lowbit.serve.server.async_engine import EngineDeadError, _resolve
+from lowbit.serve.server.async_engine import EngineDeadError, _resolve, drain
 from lowbit.serve.server.dp_router import Router
 
 _ENV_LOCK = threading.Lock()  # os.environ is narrowed while one replica is spawned
@@ -119,21 +118,9 @@ class DataParallelEngine:
             if self.router.alive[entry[2]]:
                 self._send(entry[2], ("abort", request_id))
 
-    async def stream(self, request_id: str, outputs: asyncio.Queue):
+    def stream(self, request_id: str, outputs: asyncio.Queue):
         """Yields the request's RequestOutputs until the finished one; aborts it if the consumer stops early."""
-        finished = False
-        try:
-            while not finished:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                if finished:
-                    count_tokens(len(item.prompt_token_ids), len(item.outputs[0].token_ids))
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return drain(outputs, lambda: self.abort(request_id))
 
     async def snapshot(self) -> tuple[str, int]:
         """(the replicas' Prometheus text merged, KV blocks in use over all replicas)."""
