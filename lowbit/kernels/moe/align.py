@@ -18,7 +18,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     """topk_ids [T, top_k] (int) -> (sorted_ids int32 [P], block_expert int32 [P / block_m])."""
     flat = topk_ids.reshape(-1).long()
     n, dev = flat.numel(), flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads its input's max on the host, which a CUDA graph cannot capture
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
