@@ -96,8 +96,9 @@ class VerifyGraphs:
         return self.key(host) is not None
 
     def run(self, host, upload, pending) -> torch.Tensor:
-        """A step that `key` accepts -> float32 logits [len(host.logits_indices), V], as the eager forward returns.
-        host: the step's HostInputs; upload: ModelRunner.upload; pending: PendingTokens or None."""
+        """A step that `key` accepts -> float32 logits [len(host.logits_indices), V], as the eager forward returns
+        (a view of the graphs' output, valid until the next replay, when the step needs no padding and wants every
+        row). host: the step's HostInputs; upload: ModelRunner.upload; pending: PendingTokens or None."""
         bs, q = self.key(host)
         p = pad_rows(host, q)
         ids, positions, slots, context_lens, tables, gather, *source = upload(
@@ -109,6 +110,9 @@ class VerifyGraphs:
                            pending.tokens if pending is not None else None, context_lens, tables,
                            self._static(bs, q), tokens_per_row=q)
         self.graphs[bs, q].replay()
+        n = len(host.input_ids)
+        if n == len(p.input_ids) and len(host.logits_indices) == n:  # no padding, every row: a view of the output
+            return self.logits[:n]
         return self.logits[gather]
 
     def _static(self, bs: int, q: int) -> dict:
