@@ -19,18 +19,22 @@ PROMPTS = [[5, 6, 7, 8, 9] * 12, [100 + i % 7 for i in range(50)], [(37 * i) % 5
            [40, 41, 42, 40, 41] * 4, [3, 1, 4, 1, 5, 9, 2, 6] * 5]
 GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=2)
 TIE = 0.05  # top-2 logprob margin below which a greedy choice counts as a near tie
-LOGIT_TOL = dict(rtol=2e-2, atol=2e-2)  # graphed vs eager verify: bf16 activations, other GEMM row counts
+# graphed vs eager verify, ||graphed - eager|| / ||eager|| per step: the same kernels on bf16 activations, but the
+# graph's GEMMs see the padded row count, so their tiles (and roundings) may differ; serve_bench's kernels-vs-fp32
+# bar is 3e-2
+LOGIT_REL_TOL = 1e-2
+MARGIN = 0.1  # logit units: rows whose eager top-2 gap is wider pick the same token in both
 
 
 def engine(draft_seed: int | None = None, **config) -> Engine:
     """Tiny bf16 Llama on the GPU with CUDA graphs; draft_seed: a draft model of the same shapes and vocabulary
     (seed 0: the target's own weights)."""
-    ckpt = dummy_checkpoint("bf16", MODEL, device="cuda", std=0.1)
+    ckpt = dummy_checkpoint("bf16", MODEL, device="cuda", std=0.05)
     cfg = dict(max_batch_size=8, num_kv_blocks=256, device="cuda", dtype="bfloat16", cuda_graphs=True,
                speculative_max_batch_size=8) | config
     draft = None
     if draft_seed is not None:
-        draft = dummy_checkpoint("bf16", MODEL, seed=draft_seed, device="cuda", std=0.1)
+        draft = dummy_checkpoint("bf16", MODEL, seed=draft_seed, device="cuda", std=0.05)
         cfg |= dict(speculative="draft", draft_model=f"tiny-seed{draft_seed}")
     return Engine(ckpt.path, EngineConfig(**cfg), ckpt=ckpt, tokenizer=DummyTokenizer(), draft_ckpt=draft)
 
@@ -72,9 +76,10 @@ def test_graphed_verify_logits_equal_eager_verify_logits():
     generate(e, PROMPTS, GREEDY)
     assert e.spec.num_steps > 0 and e.spec.num_accepted > 0 and len(pairs) >= e.spec.num_steps
     for graphed, eager in pairs:
-        torch.testing.assert_close(graphed, eager, **LOGIT_TOL)
+        assert graphed.shape == eager.shape
+        assert ((graphed - eager).norm() / eager.norm()).item() < LOGIT_REL_TOL
         top2 = eager.topk(2, dim=-1).values
-        clear = top2[:, 0] - top2[:, 1] > 0.1  # rows without a near tie pick the same token
+        clear = top2[:, 0] - top2[:, 1] > MARGIN
         assert torch.equal(graphed.argmax(-1)[clear], eager.argmax(-1)[clear])
 
 

@@ -133,3 +133,19 @@ def test_padded_verify_buffers_through_the_triton_kernels_match_eager():
     assert len(pairs) >= engine.spec.num_steps > 0 and engine.spec.num_accepted > 0
     for graph, eager in pairs:
         torch.testing.assert_close(graph, eager, rtol=0, atol=1e-5)
+
+
+def test_draft_model_catch_up_and_verify_through_padded_graph_buffers_match_eager():
+    """Draft-model speculation with the target's verify step and the draft model's 2-token catch-up both through
+    emulated verify graphs: the outputs of plain decoding, logits within 1e-5 of the eager steps'."""
+    from test_serve_spec_draft import draft_engine
+    plain = generate(tiny_engine(num_kv_blocks=96), PROMPTS, GREEDY)
+    engine = draft_engine("perturbed", num_kv_blocks=96)
+    target_pairs = emulate(engine.runner, range(2, 6))
+    draft_pairs = emulate(engine.spec.drafter.runner, (2,))
+    spec = generate(engine, PROMPTS, GREEDY)
+    assert [s[0] for s in spec] == [p[0] for p in plain]
+    assert len(target_pairs) >= engine.spec.num_steps > 0 and len(draft_pairs) > 0
+    assert 0 < engine.spec.num_accepted < engine.spec.num_drafted
+    for graph, eager in target_pairs + draft_pairs:
+        torch.testing.assert_close(graph, eager, rtol=0, atol=1e-5)
