@@ -53,7 +53,8 @@ def parse(argv):
     p.add_argument("--num-draft-tokens", type=int, default=4, help="k of the tokens/s runs")
     p.add_argument("--model", help="part 2 on this checkpoint (store name or directory) instead of dummy weights")
     p.add_argument("--draft-model", help="part 3: this checkpoint drafts for --model (same tokenizer)")
-    p.add_argument("--batch1-only", action="store_true", help="skip part 1 (the verify-step table)")
+    p.add_argument("--batch1-only", "--no-verify-table", dest="batch1_only", action="store_true",
+                   help="skip part 1 (the verify-step table)")
     p.add_argument("--no-eager", action="store_true", help="part 1 without the eager verify-step timings")
     p.add_argument("--tiny", action="store_true", help="a tiny fp32 model (CPU smoke test)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -258,8 +259,11 @@ def tps_runs(engine: Engine, prompts, args, drafter, name: str, emit, model: str
         all_same &= same == b
         paying &= spec_tps >= plain_tps
         pays_up_to = b if paying else pays_up_to
-    print(f"auto-off: {name} paid up to batch {pays_up_to or 'none'} here (speculative_max_batch_size; between the "
-          f"measured sizes, part 1's break-even acceptance against this acceptance)")
+    if pays_up_to:
+        print(f"auto-off: {name} paid at every batch size up to {pays_up_to} here: set speculative_max_batch_size "
+              f"from it (between the measured sizes: part 1's break-even acceptance against acceptance {rate:.2f})")
+    else:
+        print(f"auto-off: {name} did not pay at batch {args.tps_batch_sizes[0]} here")
     return all_same
 
 
