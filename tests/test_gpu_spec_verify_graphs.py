@@ -86,16 +86,25 @@ def test_graphed_verify_logits_equal_eager_verify_logits():
 @pytest.mark.parametrize("drafter", ["ngram", "draft-self", "draft-other"])
 def test_greedy_outputs_with_graphed_speculation_equal_plain_decoding(drafter):
     plain = generate(engine(), PROMPTS, GREEDY)
+    draft_replays = [0]
     if drafter == "ngram":
         e = engine(speculative="ngram", num_draft_tokens=4)
     else:
         e = engine(draft_seed=0 if drafter == "draft-self" else 1, num_draft_tokens=4)
-        draft_runner = e.spec.drafter.runner
-        assert draft_runner.graphs is not None and draft_runner.verify_graphs is not None
+        draft_graphs = e.spec.drafter.runner.graphs
+        assert draft_graphs is not None and e.spec.drafter.runner.verify_graphs is not None
+        run = draft_graphs.run
+
+        def counting(*args):
+            draft_replays[0] += 1
+            return run(*args)
+        draft_graphs.run = counting
     pairs = record_graph_runs(e.runner)
     spec = generate(e, PROMPTS, GREEDY)
     assert_greedy_same(plain, spec)
     assert e.spec.num_steps > 0 and len(pairs) >= e.spec.num_steps  # every verify step replayed a graph
+    if drafter != "ngram":  # the k - 1 one-token draft steps replay the draft model's decode graphs
+        assert draft_replays[0] >= e.spec.num_steps
     if drafter == "draft-self":
         assert e.spec.num_accepted > 0.5 * e.spec.num_drafted
     assert e.block_manager.num_used_blocks == 0
