@@ -93,7 +93,8 @@ class ModelRunner:
 
     def adopt_kv(self, num_blocks: int, cuda_graphs: bool) -> None:
         """A draft model's runner, built with a placeholder pool and no graphs: its pool of num_blocks blocks (sized
-        with its target's, `kv_partner`), then its decode graphs when cuda_graphs and the GPU allow them."""
+        with its target's, `kv_partner`), then its decode graphs and 2-token catch-up graphs when cuda_graphs and the
+        GPU allow them."""
         self.config = replace(self.config, num_kv_blocks=num_blocks, cuda_graphs=cuda_graphs)
         self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, self.config, self.kv_dtype, self.device)
         if self.gpu_attention and cuda_graphs:
