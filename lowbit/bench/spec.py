@@ -27,6 +27,7 @@ import torch
 
 from lowbit.bench.serve_bench import LLAMA_3_1_8B, TINY, DummyTokenizer, free, sync
 from lowbit.bench_cli import int_list, json_lines
+from lowbit.progress import stage
 from lowbit.serve.engine.config import EngineConfig
 from lowbit.serve.engine.engine import Engine
 from lowbit.serve.engine.sampling_params import SamplingParams
@@ -73,17 +74,23 @@ def parse(argv):
 
 
 def build(args) -> Engine:
-    """Dummy weights; verify graphs for every k and batch size measured (num_draft_tokens = the largest k)."""
+    """Dummy weights; on a GPU, verify graphs for every batch size measured and q = k + 1 of every k measured (a
+    step with fewer drafts runs in the next q up)."""
     config = dict(TINY if args.tiny else LLAMA_3_1_8B)
     ckpt = dummy_checkpoint(args.format, config, device=args.device)
     most = max(args.batch_sizes + args.tps_batch_sizes)
     need = most * -(-(max(args.context, prompt_len(args) + args.output_len) + max(args.ks) + 1) // 16) + 64
     cfg = EngineConfig(max_batch_size=most, max_num_tokens=max(2048, most * 9), num_kv_blocks=need,
                        device=args.device, dtype="float32" if args.tiny else "bfloat16",
-                       max_model_len=args.context + prompt_len(args) + args.output_len + 64, speculative="ngram",
-                       num_draft_tokens=max(args.ks + [args.num_draft_tokens]), speculative_max_batch_size=most)
+                       max_model_len=args.context + prompt_len(args) + args.output_len + 64,
+                       speculative_max_batch_size=most)
     with torch.device(args.device):
-        return Engine(ckpt.path, cfg, ckpt=ckpt, tokenizer=DummyTokenizer())
+        engine = Engine(ckpt.path, cfg, ckpt=ckpt, tokenizer=DummyTokenizer())
+    if engine.runner.graphs is not None:
+        with stage("capturing verify CUDA graphs"):
+            engine.runner.verify_graphs = engine.runner.capture_verify_graphs(
+                sorted({k + 1 for k in args.ks} | {args.num_draft_tokens + 1}))
+    return engine
 
 
 PASSAGE = ("The committee met on Tuesday to review the budget. It agreed to fund the new library wing, to delay the "

@@ -65,7 +65,7 @@ class ModelRunner:
                 self.graphs = self._capture_decode_graphs(ckpt.config)
             if config.speculative is not None:  # the verify step: k + 1 tokens per sequence, k <= num_draft_tokens
                 with stage("capturing verify CUDA graphs"):
-                    self.verify_graphs = self._capture_verify_graphs(range(2, config.num_draft_tokens + 2))
+                    self.verify_graphs = self.capture_verify_graphs(range(2, config.num_draft_tokens + 2))
 
     def _capture_decode_graphs(self, model_config: dict):
         from lowbit.serve.runner.cuda_graphs import DecodeGraphs
@@ -80,7 +80,7 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
-    def _capture_verify_graphs(self, tokens):
+    def capture_verify_graphs(self, tokens):
         """Multi-token steps of q in tokens new tokens per sequence, up to the speculative batch size, in the decode
         graphs' memory pool (runner/verify_graphs.py)."""
         from lowbit.serve.runner.verify_graphs import VerifyGraphs
@@ -101,7 +101,7 @@ class ModelRunner:
             with stage("capturing the draft model's decode CUDA graphs"):
                 self.graphs = self._capture_decode_graphs(self.model_config)
             with stage("capturing the draft model's catch-up CUDA graphs"):  # after a verify step: 1-2 tokens each
-                self.verify_graphs = self._capture_verify_graphs((2,))
+                self.verify_graphs = self.capture_verify_graphs((2,))
 
     def close(self) -> None:
         """Nothing to stop: one process (the tensor-parallel runner stops its ranks here)."""
