@@ -14,7 +14,7 @@ BENCHES = {
     "serve-tp": "serve_tp",  # batch-1 ITL and maximum-load throughput per GPU at each tensor-parallel size
     "serve-load": "serve_load",  # concurrent streaming clients against `lowbit serve` (loopback)
     "engine-overhead": "engine_overhead",  # the engine's host work per step, model forward stubbed (CPU)
-    "spec": "spec",  # speculative decoding: verify-step cost for k = 1..8, batch-1 n-gram tok/s (GPU; --tiny on CPU)
+    "spec": "spec",  # speculative decoding: verify-step cost for k = 1..8, n-gram tok/s by batch (GPU; --tiny on CPU)
     "cpu": "cpu",  # the CPU engine vs transformers generate and HFLM-style scoring, same model and threads (CPU)
     "eval-speed": "eval_speed",  # `lowbit eval`'s candidate pass: one process vs worker processes, same scores (CPU)
 }

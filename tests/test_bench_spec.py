@@ -1,5 +1,6 @@
 """`lowbit bench spec --tiny` on the CPU: it prints command, machine and date, a verify-step time for every batch
-size and k, and the batch-1 run's outputs with and without n-gram drafting are identical."""
+size and k, the break-even acceptance per batch size, and tokens/s per batch size with outputs identical with and
+without n-gram drafting."""
 import json
 
 import pytest
@@ -10,7 +11,7 @@ from lowbit.bench_cli import load
 def test_spec_bench_tiny_times_every_point_and_agrees(tmp_path, capsys):
     out = tmp_path / "spec.jsonl"
     argv = ["--tiny", "--device", "cpu", "--batch-sizes", "1,3", "--ks", "1,4", "--repeats", "1", "--context", "32",
-            "--passage", "16", "--output-len", "24", "--json", str(out)]
+            "--passage", "16", "--output-len", "24", "--tps-batch-sizes", "1,2", "--json", str(out)]
     assert load("spec").main(argv) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("command: lowbit bench spec --tiny") and "\nmachine: cpu" in printed
@@ -19,20 +20,32 @@ def test_spec_bench_tiny_times_every_point_and_agrees(tmp_path, capsys):
     verify = [r for r in rows if r["bench"] == "spec-verify"]
     assert [r["batch"] for r in verify] == [1, 3]
     assert all(r[key] > 0 for r in verify for key in ("decode_ms", "verify_k1_ms", "verify_k4_ms"))
-    (b1,) = [r for r in rows if r["bench"] == "spec-batch1"]
-    assert b1["identical_output"] is True and b1["plain_tok_s"] > 0 and b1["ngram_tok_s"] > 0
-    assert "outputs identical" in printed
+    even = [r for r in rows if r["bench"] == "spec-break-even"]
+    assert [r["batch"] for r in even] == [1, 3] and all(0 <= r["break_even_acceptance"] <= 1 for r in even)
+    tps = [r for r in rows if r["bench"] == "spec-tps"]
+    assert [r["batch"] for r in tps] == [1, 2]
+    assert all(r["identical_outputs"] == r["requests"] and r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 for r in tps)
+    assert "auto-off: n-gram " in printed
+
+
+def test_break_even_acceptance_solves_tokens_per_step_equal_to_the_cost_ratio():
+    spec = load("spec")
+    assert spec.tokens_per_step(0.5, 3) == 1 + 0.5 + 0.25 + 0.125 and spec.tokens_per_step(1.0, 4) == 5
+    a = spec.break_even(2.0, 4)
+    assert abs(spec.tokens_per_step(a, 4) - 2.0) < 1e-6 and 0.5 < a < 0.55  # 1 + a + ... + a^4 = 2
+    assert spec.break_even(0.9, 2) == 0.0 and spec.break_even(3.5, 2) == 1.0  # always pays / never pays
 
 
 @pytest.mark.slow
 def test_spec_bench_draft_model_batch1_on_the_embedded_model(tmp_path, capsys):
-    """`--model M --draft-model M --batch1-only`: the model drafting for itself accepts every draft, outputs agree."""
+    """`--model M --draft-model M --batch1-only --tps-batch-sizes 1`: the model drafting for itself accepts every
+    draft, outputs agree."""
     out = tmp_path / "spec.jsonl"
     argv = ["--device", "cpu", "--model", "smollm2-135m", "--draft-model", "smollm2-135m", "--batch1-only",
-            "--output-len", "12", "--json", str(out)]
+            "--output-len", "12", "--tps-batch-sizes", "1", "--json", str(out)]
     assert load("spec").main(argv) == 0
-    rows = {r["bench"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(rows) == {"spec-batch1", "spec-batch1-draft"}
-    draft = rows["spec-batch1-draft"]
-    assert draft["identical_output"] is True and draft["draft_tok_s"] > 0 and draft["acceptance_rate"] == 1.0
+    rows = [r for r in map(json.loads, out.read_text().splitlines()) if r["bench"] == "spec-tps"]
+    assert [r["drafter"] for r in rows] == ["n-gram", "drafted by smollm2-135m"]
+    draft = rows[1]
+    assert draft["identical_outputs"] == 1 and draft["spec_tok_s"] > 0 and draft["acceptance_rate"] == 1.0
     assert "drafted by smollm2-135m" in capsys.readouterr().out

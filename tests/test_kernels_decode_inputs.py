@@ -56,3 +56,26 @@ def test_reference_merges_pending_tokens_and_pads():
     assert out["context_lens"].tolist() == [6, 7, 1, 1] and out["positions"][:2].tolist() == [5, 6]
     assert (out["block_tables"][:2, :16] == 1).all() and (out["block_tables"][:2, 16:] == 7).all()
     assert (out["block_tables"][2:] == 7).all()
+
+
+def multi_token_step(b: int, q: int, w: int, samples: int, g: torch.Generator):
+    """step_arrays with q tokens per sequence: token arrays [b * q], per-sequence arrays [b]."""
+    ids, positions, slots, source, pending, lens, tables = step_arrays(b * q, w, samples, g)
+    return ids, positions, slots, source, pending, lens[:b], tables[:b]
+
+
+@pytest.mark.parametrize("b,bs,q,samples", [(1, 1, 2, 0), (3, 4, 5, 4), (2, 8, 9, 0)])
+def test_kernel_writes_what_the_reference_writes_for_q_tokens_per_row(b, bs, q, samples):
+    """The verify graphs' load: q tokens per row, padding rows' q slots skipped."""
+    g = torch.Generator().manual_seed(b * 10 + q)
+    before = static_buffers(bs * q, 64, g)
+    before["context_lens"], before["block_tables"] = before["context_lens"][:bs], before["block_tables"][:bs]
+    arrays = [a.to(DEVICE) if a is not None else None for a in multi_token_step(b, q, 16, samples, g)]
+    want = {k: v.clone() for k, v in before.items()}
+    load_decode_inputs_ref(*[a.cpu() if a is not None else None for a in arrays], want, tokens_per_row=q)
+    got = {k: v.clone().to(DEVICE) for k, v in before.items()}
+    load_decode_inputs(*arrays, got, tokens_per_row=q)
+    for name in want:
+        assert torch.equal(got[name].cpu(), want[name]), name
+    assert (want["slot_mapping"][b * q:] == -1).all() and (want["context_lens"][b:] == q).all()
+    assert torch.equal(want["positions"][:b * q], arrays[1].cpu())

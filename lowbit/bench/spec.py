@@ -1,56 +1,68 @@
-"""`lowbit bench spec`: what speculative decoding costs and gives, on dummy weights (Llama-3.1-8B shapes, FP8).
+"""`lowbit bench spec`: what speculative decoding costs and gives, on dummy weights (Llama-3.1-8B shapes, FP8) or a
+real checkpoint.
 
 1. The verify step: one forward of k + 1 tokens per sequence (k drafted) over the paged KV at a context of
-   --context tokens, for k = 1..8 at each batch size, against the plain decode step (k = 0, replayed from CUDA graphs
-   where the engine would). Speed-up of a real drafter at acceptance a per token: tokens per step
-   (1 - a^(k+1)) / (1 - a) over the step's cost ratio; the batch size past which no k pays is the auto-off threshold
-   (`speculative_max_batch_size`).
-2. Batch 1 on a repetitive, quote-heavy workload (a prompt that repeats a passage; greedy): tokens/s with n-gram
-   drafting vs without, the same engine and weights, and whether the outputs are identical. Random weights rarely
-   copy their prompt, so their acceptance is low; `--model NAME` runs this part on a real checkpoint instead (a
-   prompt asking it to repeat a passage), where acceptance is what real text gives.
-3. With --model and --draft-model: the same batch-1 request with the draft model drafting (e.g. the int4_awq copy of
-   an fp8 target): tokens/s, acceptance and whether the output is identical. --batch1-only skips part 1.
+   --context tokens, for k = 1..8 at each batch size, against the plain decode step (k = 0), both as the engine runs
+   them (replayed from CUDA graphs on a GPU), and the verify step run eagerly for comparison. From the graphed
+   ratios r(b, k): a drafter accepting each token with probability a emits (1 - a^(k+1)) / (1 - a) tokens per step,
+   so its speed-up is that over r; printed per batch size: the break-even acceptance (the a where the best k makes
+   speculation pay) and the speed-up at a = 0.5 / 0.7 / 0.9. The auto-off threshold (`speculative_max_batch_size`)
+   is the largest batch size whose break-even acceptance is below the workload's measured acceptance.
+2. Tokens/s at --tps-batch-sizes on a quote-heavy workload (each request's prompt repeats a passage; greedy) with
+   n-gram drafting vs without, the same engine and weights, the auto-off lifted; whether every output is identical,
+   the acceptance, and the largest batch size where speculation still paid. Random weights rarely copy their
+   prompt, so their acceptance is low; `--model NAME` runs this part on a real checkpoint instead (a prompt asking
+   it to repeat a passage), where acceptance is what real text gives.
+3. With --model and --draft-model: the same runs with the draft model drafting (e.g. the int4_awq copy of an fp8
+   target). --batch1-only skips part 1 (with --model).
 """
 import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 
 import torch
 
 from lowbit.bench.serve_bench import LLAMA_3_1_8B, TINY, DummyTokenizer, free, sync
 from lowbit.bench_cli import int_list, json_lines
+from lowbit.progress import stage
 from lowbit.serve.engine.config import EngineConfig
 from lowbit.serve.engine.engine import Engine
 from lowbit.serve.engine.sampling_params import SamplingParams
 from lowbit.serve.engine.scheduler import Batch
 from lowbit.serve.engine.sequence import Sequence
-from lowbit.serve.spec.decoder import SpecDecoder, make_decoder
+from lowbit.serve.spec.decoder import SpecDecoder
+from lowbit.serve.spec.ngram import NgramDrafter
 from lowbit.testing.dummy_weights import FORMATS, dummy_checkpoint
+
+ACCEPTANCES = (0.5, 0.7, 0.9)  # per-token acceptance rates the verify table translates into speed-ups
 
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="lowbit bench spec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--format", default="fp8", choices=sorted(FORMATS))
-    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="batch sizes of the verify-step table")
     p.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="drafted tokens per sequence")
+    p.add_argument("--tps-batch-sizes", default="1,4,16,64", help="batch sizes of the tokens/s runs")
     p.add_argument("--context", type=int, default=512, help="tokens already in each sequence's KV")
     p.add_argument("--repeats", type=int, default=20, help="timed steps per point (median)")
     p.add_argument("--passage", type=int, default=128, help="tokens of the passage the workload's prompt repeats")
-    p.add_argument("--output-len", type=int, default=256, help="greedy tokens generated at batch 1")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="k of the batch-1 n-gram run")
+    p.add_argument("--output-len", type=int, default=256, help="greedy tokens generated per request")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="k of the tokens/s runs")
     p.add_argument("--model", help="part 2 on this checkpoint (store name or directory) instead of dummy weights")
     p.add_argument("--draft-model", help="part 3: this checkpoint drafts for --model (same tokenizer)")
-    p.add_argument("--batch1-only", action="store_true", help="skip part 1 (the verify-step table)")
+    p.add_argument("--batch1-only", "--no-verify-table", dest="batch1_only", action="store_true",
+                   help="skip part 1 (the verify-step table)")
+    p.add_argument("--no-eager", action="store_true", help="part 1 without the eager verify-step timings")
     p.add_argument("--tiny", action="store_true", help="a tiny fp32 model (CPU smoke test)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="also write the JSON lines here")
     args = p.parse_args(argv)
-    args.batch_sizes = int_list(p, "--batch-sizes", args.batch_sizes)
-    args.ks = int_list(p, "--ks", args.ks)
+    for flag in ("batch_sizes", "ks", "tps_batch_sizes"):
+        setattr(args, flag, int_list(p, "--" + flag.replace("_", "-"), getattr(args, flag)))
     for flag in ("context", "repeats", "passage", "output_len", "num_draft_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be positive")
@@ -62,15 +74,23 @@ def parse(argv):
 
 
 def build(args) -> Engine:
+    """Dummy weights; on a GPU, verify graphs for every batch size measured and q = k + 1 of every k measured (a
+    step with fewer drafts runs in the next q up)."""
     config = dict(TINY if args.tiny else LLAMA_3_1_8B)
     ckpt = dummy_checkpoint(args.format, config, device=args.device)
-    need = max(args.batch_sizes) * -(-(args.context + max(args.ks) + 1) // 16) + 64
-    cfg = EngineConfig(max_batch_size=max(args.batch_sizes), max_num_tokens=max(2048, max(args.batch_sizes) * 9),
-                       num_kv_blocks=need, device=args.device, dtype="float32" if args.tiny else "bfloat16",
-                       max_model_len=args.context + 2 * args.passage + args.output_len + 64,
-                       speculative="ngram", num_draft_tokens=args.num_draft_tokens)
+    most = max(args.batch_sizes + args.tps_batch_sizes)
+    need = most * -(-(max(args.context, prompt_len(args) + args.output_len) + max(args.ks) + 1) // 16) + 64
+    cfg = EngineConfig(max_batch_size=most, max_num_tokens=max(2048, most * 9), num_kv_blocks=need,
+                       device=args.device, dtype="float32" if args.tiny else "bfloat16",
+                       max_model_len=args.context + prompt_len(args) + args.output_len + 64,
+                       speculative_max_batch_size=most)
     with torch.device(args.device):
-        return Engine(ckpt.path, cfg, ckpt=ckpt, tokenizer=DummyTokenizer())
+        engine = Engine(ckpt.path, cfg, ckpt=ckpt, tokenizer=DummyTokenizer())
+    if engine.runner.graphs is not None:
+        with stage("capturing verify CUDA graphs"):
+            engine.runner.verify_graphs = engine.runner.capture_verify_graphs(
+                sorted({k + 1 for k in args.ks} | {args.num_draft_tokens + 1}))
+    return engine
 
 
 PASSAGE = ("The committee met on Tuesday to review the budget. It agreed to fund the new library wing, to delay the "
@@ -78,19 +98,36 @@ PASSAGE = ("The committee met on Tuesday to review the budget. It agreed to fund
            "who had counted the survey forms by hand.")
 
 
-def real_engine(args, draft: bool = False) -> tuple[Engine, list[int]]:
-    """The checkpoint --model (drafted for by --draft-model when draft, else by n-grams) and a prompt that asks it to
-    repeat a passage (its own tokenizer)."""
+def real_engine(args, draft: bool = False) -> tuple[Engine, list[list[int]]]:
+    """The checkpoint --model (drafted for by --draft-model when draft, else by n-grams) and, per request of the
+    largest batch, a prompt that asks it to repeat a passage (its own tokenizer)."""
     spec = dict(speculative="draft", draft_model=args.draft_model) if draft else dict(speculative="ngram")
-    cfg = EngineConfig(max_batch_size=1, device=args.device, num_draft_tokens=args.num_draft_tokens, **spec)
+    most = max(args.tps_batch_sizes)
+    cfg = EngineConfig(max_batch_size=most, speculative_max_batch_size=most, device=args.device,
+                       num_draft_tokens=args.num_draft_tokens, **spec)
     engine = Engine(args.model, cfg)
-    text = f"Passage: {PASSAGE}\nRepeat the passage word for word.\nPassage: {PASSAGE}\nAgain, word for word:\n"
-    return engine, engine.tokenizer.encode(text)
+    texts = [f"Request {i}. Passage: {PASSAGE}\nRepeat the passage word for word.\nPassage: {PASSAGE}\n"
+             f"Again, word for word:\n" for i in range(most)]
+    return engine, [engine.tokenizer.encode(t) for t in texts]
+
+
+def prompt_len(args) -> int:
+    return 2 * args.passage + args.passage // 2
+
+
+def synthetic_prompts(engine: Engine, args) -> list[list[int]]:
+    """Per request of the largest batch: a random passage, half of it, then all of it again (it quotes itself)."""
+    vocab = engine.runner.model.config["vocab_size"]
+    out = []
+    for i in range(max(args.tps_batch_sizes)):
+        passage = torch.randint(0, vocab, (args.passage,), generator=torch.Generator().manual_seed(1 + i)).tolist()
+        out.append(passage + passage[: args.passage // 2] + passage)
+    return out
 
 
 def step_ms(engine: Engine, batch_size: int, k: int, context: int, repeats: int) -> float:
     """Median ms of one forward of k + 1 new tokens for each of batch_size sequences at `context` (k = 0: a plain
-    decode step). The sequences' blocks are taken from the engine's pool and given back."""
+    decode step), as the runner runs it. The sequences' blocks are taken from the engine's pool and given back."""
     vocab, bm = engine.runner.model.config["vocab_size"], engine.block_manager
     gen = torch.Generator().manual_seed(batch_size * 100 + k)
     seqs = []
@@ -114,28 +151,127 @@ def step_ms(engine: Engine, batch_size: int, k: int, context: int, repeats: int)
     return 1e3 * statistics.median(times)
 
 
-def synthetic_prompt(engine: Engine, args) -> list[int]:
-    """A random passage, half of it, then all of it again: a prompt that quotes itself."""
-    vocab = engine.runner.model.config["vocab_size"]
-    passage = torch.randint(0, vocab, (args.passage,), generator=torch.Generator().manual_seed(1)).tolist()
-    return passage + passage[: args.passage // 2] + passage
+def tokens_per_step(a: float, k: int) -> float:
+    """Expected tokens a verify step emits with k drafts, each accepted with probability a (until the first miss)."""
+    return k + 1.0 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
 
 
-def batch1(engine: Engine, args, prompt: list[int], decoder) -> tuple[float, list[int]]:
-    """(tokens/s, output) of one greedy request on the repetitive prompt, speculating with decoder (None: not)."""
+def break_even(ratio: float, k: int) -> float:
+    """The acceptance a at which k drafts per step pay exactly (tokens_per_step(a, k) == ratio); 1.0: never."""
+    if ratio <= 1:
+        return 0.0
+    if ratio >= k + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tokens_per_step(mid, k) < ratio else (lo, mid)
+    return hi
+
+
+def verify_table(args, emit) -> Engine:
+    """Part 1: the verify step's cost by batch size and k against a plain decode step; returns its engine."""
+    engine = build(args)
+    model = "tiny" if args.tiny else "Llama-3.1-8B shapes, dummy weights"
+    graphed = engine.runner.verify_graphs is not None
+    print(f"verify step {'(CUDA graphs)' if graphed else '(eager: no CUDA graphs here)'} vs the decode step, "
+          f"context {args.context}: ms (x decode)")
+    print("| batch | decode ms | " + " | ".join(f"k={k}" for k in args.ks) + " | eager x (" +
+          ", ".join(f"k={k}" for k in args.ks) + ") |")
+    print("|---|---|" + "---|" * len(args.ks) + "---|")
+    rows = []
+    for b in args.batch_sizes:
+        base = step_ms(engine, b, 0, args.context, args.repeats)
+        cost = {k: step_ms(engine, b, k, args.context, args.repeats) for k in args.ks}
+        eager = {} if args.no_eager or not graphed else eager_costs(engine, b, args)
+        emit({"bench": "spec-verify", "model": model, "format": args.format, "batch": b, "context": args.context,
+              "graphed": graphed, "decode_ms": base, **{f"verify_k{k}_ms": v for k, v in cost.items()},
+              **{f"eager_verify_k{k}_ms": v for k, v in eager.items()}})
+        print(f"| {b} | {base:.3f} | " + " | ".join(f"{cost[k]:.3f} ({cost[k] / base:.2f})" for k in args.ks) +
+              " | " + (", ".join(f"{eager[k] / base:.2f}" for k in args.ks) if eager else "-") + " |")
+        rows.append((b, {k: cost[k] / base for k in args.ks}))
+    print_break_even(rows, emit)
+    return engine
+
+
+def eager_costs(engine: Engine, b: int, args) -> dict[int, float]:
+    runner, graphs = engine.runner, engine.runner.verify_graphs
+    runner.verify_graphs = None
+    try:
+        return {k: step_ms(engine, b, k, args.context, args.repeats) for k in args.ks}
+    finally:
+        runner.verify_graphs = graphs
+
+
+def print_break_even(rows, emit) -> None:
+    """Per batch size: the break-even acceptance (best k) and the speed-up at ACCEPTANCES (best k each)."""
+    print("what the verify costs give a drafter with per-token acceptance a (best k each):")
+    print("| batch | break-even a (k) | " + " | ".join(f"speed-up at a={a} (k)" for a in ACCEPTANCES) + " |")
+    print("|---|---|" + "---|" * len(ACCEPTANCES))
+    for b, ratios in rows:
+        even_k = min(ratios, key=lambda k: break_even(ratios[k], k))
+        best = {a: max(ratios, key=lambda k: tokens_per_step(a, k) / ratios[k]) for a in ACCEPTANCES}
+        gain = {a: tokens_per_step(a, best[a]) / ratios[best[a]] for a in ACCEPTANCES}
+        emit({"bench": "spec-break-even", "batch": b, "break_even_acceptance": break_even(ratios[even_k], even_k),
+              "break_even_k": even_k, **{f"speedup_a{a}": gain[a] for a in ACCEPTANCES},
+              **{f"best_k_a{a}": best[a] for a in ACCEPTANCES}})
+        print(f"| {b} | {break_even(ratios[even_k], even_k):.2f} ({even_k}) | " +
+              " | ".join(f"{gain[a]:.2f} ({best[a]})" for a in ACCEPTANCES) + " |")
+
+
+def run_batch(engine: Engine, prompts: list[list[int]], output_len: int, decoder) -> tuple[float, list, object]:
+    """(tokens/s, outputs, decoder) of greedy requests for every prompt at once, speculating with decoder (None:
+    not; its counters start at zero), after a short warm-up request."""
     engine.spec = decoder
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    engine.add_request("warm", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.add_request("warm", prompts[0], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
+    if decoder is not None:
+        decoder.num_steps = decoder.num_verified = decoder.num_drafted = decoder.num_accepted = 0
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     sync()
-    t0, out = time.perf_counter(), None
-    engine.add_request("r", prompt, params, stream=False)
+    t0, out = time.perf_counter(), {}
+    ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for i, p in zip(ids, prompts):
+        engine.add_request(i, p, params, stream=False)
     while engine.has_unfinished():
         for o in engine.step():
-            out = o.outputs[0].token_ids if o.finished else out
+            if o.finished:
+                out[o.request_id] = o.outputs[0].token_ids
     sync()
-    return args.output_len / (time.perf_counter() - t0), out
+    return len(prompts) * output_len / (time.perf_counter() - t0), [out[i] for i in ids], decoder
+
+
+def tps_runs(engine: Engine, prompts, args, drafter, name: str, emit, model: str) -> bool:
+    """Part 2 / 3: plain vs speculative tokens/s at each --tps-batch-sizes (the auto-off lifted); whether every
+    output was identical."""
+    config = replace(engine.config, num_draft_tokens=args.num_draft_tokens,
+                     speculative_max_batch_size=max(args.tps_batch_sizes))
+    print(f"tokens/s, quote-heavy prompts, greedy, {args.output_len} tokens each, {name} k={args.num_draft_tokens}:")
+    print("| batch | plain tok/s | spec tok/s | speed-up | acceptance | accepted/step | identical |")
+    print("|---|---|---|---|---|---|---|")
+    all_same, pays_up_to, paying = True, 0, True
+    for b in args.tps_batch_sizes:
+        plain_tps, plain, _ = run_batch(engine, prompts[:b], args.output_len, None)
+        spec_tps, spec, s = run_batch(engine, prompts[:b], args.output_len, SpecDecoder(drafter, config))
+        same = sum(x == y for x, y in zip(plain, spec))
+        rate = s.num_accepted / s.num_drafted if s.num_drafted else 0.0
+        per_step = s.num_accepted / s.num_verified if s.num_verified else 0.0
+        emit({"bench": "spec-tps", "model": model, "drafter": name, "batch": b,
+              "num_draft_tokens": args.num_draft_tokens, "output_len": args.output_len, "plain_tok_s": plain_tps,
+              "spec_tok_s": spec_tps, "speedup": spec_tps / plain_tps, "acceptance_rate": rate,
+              "accepted_per_step": per_step, "identical_outputs": same, "requests": b})
+        print(f"| {b} | {plain_tps:.1f} | {spec_tps:.1f} | {spec_tps / plain_tps:.2f} | {rate:.2f} | {per_step:.2f} "
+              f"| {same}/{b} |")
+        all_same &= same == b
+        paying &= spec_tps >= plain_tps
+        pays_up_to = b if paying else pays_up_to
+    if pays_up_to:
+        print(f"auto-off: {name} paid at every batch size up to {pays_up_to} here: set speculative_max_batch_size "
+              f"from it (between the measured sizes: part 1's break-even acceptance against acceptance {rate:.2f})")
+    else:
+        print(f"auto-off: {name} did not pay at batch {args.tps_batch_sizes[0]} here")
+    return all_same
 
 
 def main(argv=None) -> int:
@@ -150,58 +286,17 @@ def main(argv=None) -> int:
     if args.model:
         del engine
         free()
-        engine, prompt = real_engine(args)
+        engine, prompts = real_engine(args)
         model = args.model
     else:
-        prompt, model = synthetic_prompt(engine, args), "tiny" if args.tiny else "Llama-3.1-8B shapes, dummy weights"
-    plain_tps, plain = batch1(engine, args, prompt, None)
-    spec_tps, spec = batch1(engine, args, prompt, make_decoder(engine.config))
-    s = engine.spec
-    emit({"bench": "spec-batch1", "model": model, "format": "checkpoint's" if args.model else args.format, "num_draft_tokens": args.num_draft_tokens,
-          "output_len": args.output_len, "plain_tok_s": plain_tps, "ngram_tok_s": spec_tps,
-          "speedup": spec_tps / plain_tps, "acceptance_rate": s.num_accepted / s.num_drafted if s.num_drafted else 0.0,
-          "accepted_per_step": s.num_accepted / s.num_verified if s.num_verified else 0.0,
-          "identical_output": plain == spec})
-    print(f"batch 1, repetitive prompt, greedy: {plain_tps:.1f} tok/s plain, {spec_tps:.1f} tok/s n-gram "
-          f"(k={args.num_draft_tokens}), outputs {'identical' if plain == spec else 'DIFFERENT'}")
-    draft_ok = True
+        prompts, model = synthetic_prompts(engine, args), "tiny" if args.tiny else "Llama-3.1-8B shapes, dummy weights"
+    ok = tps_runs(engine, prompts, args, NgramDrafter(engine.config.ngram_size), "n-gram", emit, model)
     if args.draft_model:
-        del engine, s
+        del engine
         free()
-        draft_ok = draft_batch1(args, model, plain, plain_tps, emit)
-    return 0 if plain == spec and draft_ok else 1
-
-
-def draft_batch1(args, model: str, plain: list[int], plain_tps: float, emit) -> bool:
-    """Part 3: the batch-1 request with --draft-model drafting; whether its output is plain decoding's."""
-    engine, prompt = real_engine(args, draft=True)
-    draft_tps, out = batch1(engine, args, prompt, SpecDecoder(engine.spec.drafter, engine.config))
-    s, draft_ok = engine.spec, out == plain
-    emit({"bench": "spec-batch1-draft", "model": model, "draft_model": args.draft_model,
-          "num_draft_tokens": args.num_draft_tokens, "output_len": args.output_len, "plain_tok_s": plain_tps,
-          "draft_tok_s": draft_tps, "speedup": draft_tps / plain_tps,
-          "acceptance_rate": s.num_accepted / s.num_drafted if s.num_drafted else 0.0,
-          "accepted_per_step": s.num_accepted / s.num_verified if s.num_verified else 0.0,
-          "identical_output": draft_ok})
-    print(f"batch 1, repetitive prompt, greedy: {draft_tps:.1f} tok/s drafted by {args.draft_model} "
-          f"(k={args.num_draft_tokens}, acceptance {s.num_accepted / max(1, s.num_drafted):.2f}), output "
-          f"{'identical' if draft_ok else 'DIFFERENT'} to plain decoding")
-    return draft_ok
-
-
-def verify_table(args, emit) -> Engine:
-    """Part 1: the verify step's cost by batch size and k against a plain decode step; returns its engine."""
-    engine = build(args)
-    model = "tiny" if args.tiny else "Llama-3.1-8B shapes, dummy weights"
-    print("| batch | decode ms | " + " | ".join(f"k={k} ms (x)" for k in args.ks) + " |")
-    print("|---|---|" + "---|" * len(args.ks))
-    for b in args.batch_sizes:
-        base = step_ms(engine, b, 0, args.context, args.repeats)
-        cost = {k: step_ms(engine, b, k, args.context, args.repeats) for k in args.ks}
-        emit({"bench": "spec-verify", "model": model, "format": args.format, "batch": b, "context": args.context,
-              "decode_ms": base, **{f"verify_k{k}_ms": v for k, v in cost.items()}})
-        print(f"| {b} | {base:.3f} | " + " | ".join(f"{cost[k]:.3f} ({cost[k] / base:.2f})" for k in args.ks) + " |")
-    return engine
+        engine, prompts = real_engine(args, draft=True)
+        ok &= tps_runs(engine, prompts, args, engine.spec.drafter, f"drafted by {args.draft_model}", emit, model)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

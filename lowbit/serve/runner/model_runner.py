@@ -59,10 +59,13 @@ class ModelRunner:
             with stage("host KV cache"):
                 self.host_cache = HostCache.sized([m.kv_cache for m in self.attn_layers], config.host_cache_size)
         self.block_tables = BlockTables(config.max_batch_size, 64)
-        self.graphs = None
+        self.graphs = self.verify_graphs = None
         if gpu_attention and config.cuda_graphs and tp is None:
             with stage("capturing decode CUDA graphs"):
                 self.graphs = self._capture_decode_graphs(ckpt.config)
+            if config.speculative is not None:  # the verify step: k + 1 tokens per sequence, k <= num_draft_tokens
+                with stage("capturing verify CUDA graphs"):
+                    self.verify_graphs = self.capture_verify_graphs(range(2, config.num_draft_tokens + 2))
 
     def _capture_decode_graphs(self, model_config: dict):
         from lowbit.serve.runner.cuda_graphs import DecodeGraphs
@@ -77,14 +80,28 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
+    def capture_verify_graphs(self, tokens):
+        """Multi-token steps of q in tokens new tokens per sequence, up to the speculative batch size, in the decode
+        graphs' memory pool (runner/verify_graphs.py)."""
+        from lowbit.serve.runner.verify_graphs import VerifyGraphs
+
+        max_batch = min(self.config.max_batch_size, self.config.speculative_max_batch_size)
+        graphs = VerifyGraphs(self.model, max_batch, tokens, self.graphs.block_tables.shape[1], self.config.block_size,
+                              self.device)
+        graphs.capture(self.graphs.pool)
+        return graphs
+
     def adopt_kv(self, num_blocks: int, cuda_graphs: bool) -> None:
         """A draft model's runner, built with a placeholder pool and no graphs: its pool of num_blocks blocks (sized
-        with its target's, `kv_partner`), then its decode graphs when cuda_graphs and the GPU allow them."""
+        with its target's, `kv_partner`), then its decode graphs and 2-token catch-up graphs when cuda_graphs and the
+        GPU allow them."""
         self.config = replace(self.config, num_kv_blocks=num_blocks, cuda_graphs=cuda_graphs)
         self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, self.config, self.kv_dtype, self.device)
         if self.gpu_attention and cuda_graphs:
             with stage("capturing the draft model's decode CUDA graphs"):
                 self.graphs = self._capture_decode_graphs(self.model_config)
+            with stage("capturing the draft model's catch-up CUDA graphs"):  # after a verify step: 1-2 tokens each
+                self.verify_graphs = self.capture_verify_graphs((2,))
 
     def close(self) -> None:
         """Nothing to stop: one process (the tensor-parallel runner stops its ranks here)."""
@@ -166,6 +183,8 @@ class ModelRunner:
         """run() from the step's host arrays (a tensor-parallel rank gets them from rank 0)."""
         if self.graphs is not None and self.graphs.can_run(host):
             return self.graphs.run(host, self.upload, pending)
+        if self.verify_graphs is not None and self.verify_graphs.can_run(host):
+            return self.verify_graphs.run(host, self.upload, pending)
         input_ids, ctx = self.device_inputs(host, pending)
         hidden = self.model(input_ids, ctx)
         if len(ctx.logits_indices) < len(input_ids):  # else every row, in order
