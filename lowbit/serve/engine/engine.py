@@ -107,9 +107,9 @@ class Engine:
         self.runner = ModelRunner(ckpt, self.config, kv_partner=draft_runner) if self.config.tensor_parallel_size == 1 \
             else _tensor_parallel_runner(ckpt, self.config)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(self.path)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+        self.block_manager = BlockManager(self.runner.kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching, self.runner.num_host_blocks,
-                                          sliding_window=self.runner.sliding_window)
+                                          sliding_window=self.runner.kv_windows)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_num_tokens)
         limits = [ckpt.config.get("max_position_embeddings", 4096), self.runner.num_blocks * self.config.block_size]
         self.max_model_len = min(limits + ([self.config.max_model_len] if self.config.max_model_len else []))

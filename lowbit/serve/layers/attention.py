@@ -207,12 +207,13 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logit_softcap = None if logit_softcap is None else float(logit_softcap)
         self.kv_cache: torch.Tensor | None = None  # assigned by the ModelRunner
+        self.kv_kind = 0  # which KV pool (and the step's slots and block tables) it uses: runner/kv_cache.py
         self.k_scale = torch.tensor(1.0)  # float32 scalars, used only with an FP8 cache
         self.v_scale = torch.tensor(1.0)
 
     def forward(self, q, k, v, ctx: StepContext, out_scale=None) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hk*D] -> [T, Hq*D] (float8_e4m3fn, out / out_scale, when out_scale is given)."""
-        t = q.shape[0]
+        t, ctx = q.shape[0], ctx.for_kind(self.kv_kind)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -222,6 +223,7 @@ class Attention(nn.Module):
     def forward_qkv(self, qkv, cos_sin_cache, part_scales, ctx: StepContext, out_scale=None) -> torch.Tensor:
         """qkv [T, >= (Hq+2Hk)*D], the fused projection's rows (part_scales: fp32 [3] or None, see rotary_qk_ref) ->
         [T, Hq*D] as forward gives: rotary and the K/V store in one backend call."""
+        ctx = ctx.for_kind(self.kv_kind)
         q = _backend.rotary_store_kv(qkv, self.num_heads, self.num_kv_heads, ctx.positions, cos_sin_cache,
                                      part_scales, self.kv_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         return self._attend(q.view(q.shape[0], self.num_heads, self.head_dim), ctx, out_scale)
