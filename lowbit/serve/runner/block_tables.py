@@ -26,7 +26,7 @@ class BlockTables:
         rows, width = [], 1
         for seq in seqs:
             entry = self.entries[seq.seq_id] = old.pop(seq.seq_id, None) or [self._free_row(), None, 0]
-            row, table = entry[0], seq.block_tables[self.kind]
+            row, table = entry[0], seq.block_tables[self.kind] if self.kind else seq.block_table
             if entry[1] is not table:  # allocated anew (first step, or after a preemption)
                 entry[1], entry[2] = table, 0
                 self.array[row] = 0
