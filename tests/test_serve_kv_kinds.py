@@ -43,6 +43,9 @@ def test_two_pools_sized_from_one_budget(tiny):
     used = sum(m.kv_cache.nbytes for m in runner.attn_layers)
     assert used <= 64 * bytes_per_block(runner.attn_layers, BS, runner.kv_dtype)
     assert llm.engine.max_model_len == min(512, runner.kv_blocks[0] * BS) > 64 * BS  # one shared pool: 64 blocks
+    gauges = llm.engine.gauges()
+    assert gauges["lowbit_kv_window_blocks_total"][0] == BATCH * PER_SEQ
+    assert gauges["lowbit_kv_blocks_total"][0] == sum(runner.kv_blocks)
 
 
 def test_greedy_equals_hf_batched_and_chunked(tiny):

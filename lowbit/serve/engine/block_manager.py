@@ -161,8 +161,15 @@ class BlockManager:
                 return Match([[0] * f + ids[f:n] for ids, f in zip(found, first)], first, hashes[:n])
         return none
 
+    def _as_match(self, matched: list[int]) -> Match:
+        """A plain list of kind 0's block ids (one kind only, or empty) as a Match."""
+        if isinstance(matched, Match):
+            return matched
+        assert not matched or len(self.pools) == 1, "with several kinds, pass match_prefix's Match"
+        return Match([list(matched)] + [[] for _ in self.pools[1:]], [0] * len(self.pools), [])
+
     def can_allocate(self, seq: Sequence, matched: list[int], num_new_tokens: int) -> bool:
-        m = matched if isinstance(matched, Match) else Match([list(matched)], [0], [])
+        m = self._as_match(matched)
         needed = self._blocks_for(len(m) * self.block_size + num_new_tokens) - len(m)
         for pool, table, skipped in zip(self.pools, m.tables, m.skipped):
             revived = sum(1 for b in table[skipped:] if pool.blocks[b].ref_count == 0)  # leave the free list
@@ -173,7 +180,7 @@ class BlockManager:
     def allocate(self, seq: Sequence, matched: list[int], num_new_tokens: int, restored: list[int] = ()) -> None:
         """restored: `match_host`'s hashes, continuing matched (num_new_tokens excludes their tokens)."""
         assert not any(seq.block_tables)
-        m = matched if isinstance(matched, Match) else Match([list(matched)], [0], [])
+        m = self._as_match(matched)
         seq.block_tables = [list(t) for t in m.tables]
         for pool, table, skipped in zip(self.pools, seq.block_tables, m.skipped):
             for block_id in table[skipped:]:

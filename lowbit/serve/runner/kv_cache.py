@@ -4,7 +4,8 @@ Each attention layer's cache is [2, num_blocks, block_size, num_kv_heads, head_d
 or float8_e4m3fn). On the GPU, blocks = free_gpu_memory_fraction x (memory free after the weights and a warm-up
 forward of max_num_tokens, less that forward's activation peak) / bytes per block, capped by max_tokens; on the CPU,
 a fraction of the available RAM. A draft model (speculative decoding) shares that budget: `KvPartner` adds its bytes
-per block and its warm-up peak, and both pools get the same number of blocks.
+per block and its warm-up peak, and both pools get the same number of blocks. A model with full and windowed layers
+has a pool per layer kind, the windowed one no larger than its layers can read at once (`split_kv_budget`).
 """
 from dataclasses import dataclass
 
