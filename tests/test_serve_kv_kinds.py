@@ -119,6 +119,15 @@ def test_host_cache_falls_back_to_one_pool(tiny):
         hf_greedy(model, PROMPTS)
 
 
+def test_draft_model_falls_back_to_one_pool(tiny):
+    path, model = tiny
+    llm = make_llm(path, speculative="draft", draft_model=str(path), num_draft_tokens=2)
+    assert len(llm.engine.runner.kv_blocks) == 1 and llm.engine.spec.drafter.runner.kv_windows == [None]
+    assert tokens(llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))) == \
+        hf_greedy(model, PROMPTS)
+    assert llm.engine.spec.num_accepted > 0  # the model drafts for itself
+
+
 def _seq(n: int, start: int = 0) -> Sequence:
     return Sequence(list(range(start, start + n)), SamplingParams(max_tokens=1))
 
