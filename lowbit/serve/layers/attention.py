@@ -125,8 +125,9 @@ class _StepMemo:
     is never hit. Static buffers rewritten in place between steps (CUDA graphs) run the Triton backend instead."""
 
     def __init__(self):
-        self._rot_key = self._slots_key = self._store_key = None
-        self._rot = self._slots = self._store = None
+        self._rot_key = self._store_key = None
+        self._rot = self._store = None
+        self._slots: list[tuple[StepContext, dict]] = []  # the latest contexts (a step has one per KV kind)
 
     def store_slots(self, slot_mapping, block_size: int):
         """slot_mapping [T] on the CPU with no skipped (< 0) slot -> (block ids [T], offsets [T]); else None (the
@@ -152,9 +153,11 @@ class _StepMemo:
         """ctx of a pure-decode step -> (block ids [B, L], offsets [B, L], mask [B, 1, 1, L] or None when every
         slot is valid): sequence b's tokens from max(0, len_b - W) (0 without a window W) on, L = the most of them
         any sequence has (past its length: its own last slot, masked). One entry per window size a step asks for."""
-        if self._slots_key is not ctx:
-            self._slots_key, self._slots = ctx, {}
-        if sliding_window not in self._slots:
+        slots = next((entry for c, entry in self._slots if c is ctx), None)
+        if slots is None:
+            slots = {}
+            self._slots = [(ctx, slots)] + self._slots[:MEMO_CONTEXTS - 1]
+        if sliding_window not in slots:
             lens = ctx.context_lens_cpu
             device = ctx.block_tables.device
             first = [0 if sliding_window is None else max(0, n - sliding_window) for n in lens]
@@ -166,8 +169,8 @@ class _StepMemo:
             blk = ctx.block_tables.long().gather(1, tok // block_size)
             full = all(n - f == length for n, f in zip(lens, first))
             mask = None if full else (pos < lens_t[:, None])[:, None, None, :]
-            self._slots[sliding_window] = (blk, tok % block_size, mask)
-        return self._slots[sliding_window]
+            slots[sliding_window] = (blk, tok % block_size, mask)
+        return slots[sliding_window]
 
 
 def _same(key: tuple, old: tuple | None) -> bool:
@@ -175,6 +178,7 @@ def _same(key: tuple, old: tuple | None) -> bool:
     return old is not None and all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(key, old))
 
 
+MEMO_CONTEXTS = 2  # a step's contexts of both KV kinds (runner/context.py for_kind), so alternating layers reuse
 _MEMO = _StepMemo()
 
 
