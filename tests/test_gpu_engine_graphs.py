@@ -19,8 +19,9 @@ class EmulatedGraph:
         self.graphs.logits[self.key].copy_(self.graphs._forward(*self.key))
 
 
-def emulated(model, max_batch_size, max_blocks, vocab, num_kv_heads=2):
-    g = DecodeGraphs(model, max_batch_size, max_blocks, num_kv_heads, torch.device("cpu"), sizes=(1, 2, 4))
+def emulated(model, max_batch_size, max_blocks, vocab, num_kv_heads=2, num_kinds=1):
+    g = DecodeGraphs(model, max_batch_size, max_blocks, num_kv_heads, torch.device("cpu"), sizes=(1, 2, 4),
+                     num_kinds=num_kinds)
     for key in [(bs, False) for bs in g.sizes] + [(bs, True) for bs in g.long_sizes]:
         g.logits[key] = torch.empty(key[0], vocab)
         g.graphs[key] = EmulatedGraph(g, key)
@@ -130,6 +131,42 @@ def test_engine_decode_through_padded_graph_buffers_matches_eager():
     assert graph_runs == 8  # 4 decode steps per run
     for a, b in zip(logits_g, logits_e):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter test")
+def test_kv_kinds_decode_through_padded_graph_buffers_matches_eager(tmp_path):
+    """A model with full and windowed layers (a KV pool, slots and tables per kind): decode through the static
+    per-kind buffers equals eager steps and transformers' generate, windows shorter than the prompts."""
+    pytest.importorskip("triton")
+    from lowbit.kernels._triton import interpreting
+    from lowbit.serve.engine.config import EngineConfig
+    from lowbit.serve.engine.engine import Engine
+    from lowbit.serve.layers import attention
+    from lowbit.serve.layers.triton_attention import TritonAttentionBackend
+    from test_serve_gemma import PROMPTS, hf_greedy, save_tiny
+    if not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 before triton's import")
+    from lowbit.bench import serve_bench as bench
+    model = save_tiny("gemma3", tmp_path)
+    engine = Engine(tmp_path, EngineConfig(max_batch_size=4, max_num_tokens=16, num_kv_blocks=64, device="cpu",
+                                           dtype="float32", enable_prefix_caching=False, overlap_steps=True))
+    assert engine.runner.kv_blocks == [160, 16]  # 64 x 3 layers less 16 x 2 windowed layers
+    prompts = [PROMPTS[0], PROMPTS[1][:21], PROMPTS[2][:40]]  # 3 sequences: padded to 4
+    saved = attention._backend
+    try:
+        attention.set_attention_backend(TritonAttentionBackend())
+        engine.runner.graphs = emulated(engine.runner.model, 4, 16, 1024, num_kinds=2)
+        runs = counted(engine.runner.graphs)
+        tok_g, logits_g, _ = bench.greedy_with_logits(engine, prompts, 5)  # steps not overlapped
+        overlapped_g, graph_runs = bench.greedy(engine, prompts, 5), runs[0]
+        engine.runner.graphs = None
+        tok_e, logits_e, _ = bench.greedy_with_logits(engine, prompts, 5)
+    finally:
+        attention.set_attention_backend(saved)
+    assert tok_g == tok_e == overlapped_g == hf_greedy(model, prompts, 5)
+    assert graph_runs == 8  # 4 decode steps per run
+    for a, b in zip(logits_g, logits_e):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
 
 
 def test_kv_cache_fraction_and_cap(monkeypatch):

@@ -9,7 +9,7 @@ class EngineConfig:
     max_num_tokens: int = 2048  # tokens computed per step (prefill chunks + decodes)
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped by the KV pool
     kv_cache_fraction: float | None = None  # of free memory (GPU, after weights; default 0.9) or of available RAM (CPU; default 0.05)
-    num_kv_blocks: int | None = None  # an exact pool size; overrides kv_cache_fraction
+    num_kv_blocks: int | None = None  # an exact pool size (pools per layer kind: that many blocks' bytes); overrides kv_cache_fraction
     kv_cache_max_tokens: int | None = None  # caps the pool sized by kv_cache_fraction (TensorRT-LLM's max_tokens)
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (GPU only)
     block_size: int = 16

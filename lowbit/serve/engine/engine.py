@@ -107,9 +107,9 @@ class Engine:
         self.runner = ModelRunner(ckpt, self.config, kv_partner=draft_runner) if self.config.tensor_parallel_size == 1 \
             else _tensor_parallel_runner(ckpt, self.config)
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(self.path)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+        self.block_manager = BlockManager(self.runner.kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching, self.runner.num_host_blocks,
-                                          sliding_window=self.runner.sliding_window)
+                                          sliding_window=self.runner.kv_windows)
         self.scheduler = Scheduler(self.block_manager, self.config.max_batch_size, self.config.max_num_tokens)
         limits = [ckpt.config.get("max_position_embeddings", 4096), self.runner.num_blocks * self.config.block_size]
         self.max_model_len = min(limits + ([self.config.max_model_len] if self.config.max_model_len else []))
@@ -417,7 +417,16 @@ class Engine:
                 "lowbit_host_cache_restored_blocks_total": (bm.num_restored, "KV blocks copied back from it."),
                 "lowbit_host_cache_bytes_used": (bm.host.num_used * self.runner.host_cache.bytes_per_slot
                                                  if bm.host else 0, "Host memory holding offloaded KV blocks.")} \
-            | (self.spec.gauges() if self.spec is not None else {})
+            | (self.spec.gauges() if self.spec is not None else {}) | _window_pool_gauges(bm)
+
+
+def _window_pool_gauges(bm: BlockManager) -> dict[str, tuple[float, str]]:
+    """The windowed layers' own KV pool, when the model has one (lowbit_kv_blocks_* count both pools)."""
+    if len(bm.pools) < 2:
+        return {}
+    return {"lowbit_kv_window_blocks_used": (bm.used_blocks_by_kind()[1], "KV blocks in use in the windowed layers' "
+                                             "pool."),
+            "lowbit_kv_window_blocks_total": (len(bm.pools[1].blocks), "KV blocks in the windowed layers' pool.")}
 
 
 def _score_prompt_rows(logits: torch.Tensor, scored: list[tuple[Sequence, list[int], list[int]]]) -> None:

@@ -26,14 +26,23 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, tokens found by prefix reuse at the last admission
-        self.block_table: list[int] = []
-        self.num_hashed_blocks = 0  # leading blocks of block_table registered for prefix reuse
+        self.block_tables: list[list[int]] = [[]]  # one per layer kind (BlockManager's pools), all one length
+        self.num_hashed_blocks = 0  # leading blocks of the block tables registered for prefix reuse
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.stopping = False  # its last token (by max_tokens) is being computed: schedule it no more
         # logprobs: one entry per token, {token_id: logprob} holding the chosen token and the top-N
         self.prompt_logprobs: list[dict[int, float] | None] = [None] if params.prompt_logprobs is not None else []
         self.logprobs: list[dict[int, float]] = []
+
+    @property
+    def block_table(self) -> list[int]:
+        """Kind 0's block table (the only one of a model with one layer kind)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     def __len__(self) -> int:
         return len(self.token_ids)

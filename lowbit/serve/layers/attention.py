@@ -125,8 +125,9 @@ class _StepMemo:
     is never hit. Static buffers rewritten in place between steps (CUDA graphs) run the Triton backend instead."""
 
     def __init__(self):
-        self._rot_key = self._slots_key = self._store_key = None
-        self._rot = self._slots = self._store = None
+        self._rot_key = self._store_key = None
+        self._rot = self._store = None
+        self._slots: list[tuple[StepContext, dict]] = []  # the latest contexts (a step has one per KV kind)
 
     def store_slots(self, slot_mapping, block_size: int):
         """slot_mapping [T] on the CPU with no skipped (< 0) slot -> (block ids [T], offsets [T]); else None (the
@@ -152,9 +153,11 @@ class _StepMemo:
         """ctx of a pure-decode step -> (block ids [B, L], offsets [B, L], mask [B, 1, 1, L] or None when every
         slot is valid): sequence b's tokens from max(0, len_b - W) (0 without a window W) on, L = the most of them
         any sequence has (past its length: its own last slot, masked). One entry per window size a step asks for."""
-        if self._slots_key is not ctx:
-            self._slots_key, self._slots = ctx, {}
-        if sliding_window not in self._slots:
+        slots = next((entry for c, entry in self._slots if c is ctx), None)
+        if slots is None:
+            slots = {}
+            self._slots = [(ctx, slots)] + self._slots[:MEMO_CONTEXTS - 1]
+        if sliding_window not in slots:
             lens = ctx.context_lens_cpu
             device = ctx.block_tables.device
             first = [0 if sliding_window is None else max(0, n - sliding_window) for n in lens]
@@ -166,8 +169,8 @@ class _StepMemo:
             blk = ctx.block_tables.long().gather(1, tok // block_size)
             full = all(n - f == length for n, f in zip(lens, first))
             mask = None if full else (pos < lens_t[:, None])[:, None, None, :]
-            self._slots[sliding_window] = (blk, tok % block_size, mask)
-        return self._slots[sliding_window]
+            slots[sliding_window] = (blk, tok % block_size, mask)
+        return slots[sliding_window]
 
 
 def _same(key: tuple, old: tuple | None) -> bool:
@@ -175,6 +178,7 @@ def _same(key: tuple, old: tuple | None) -> bool:
     return old is not None and all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(key, old))
 
 
+MEMO_CONTEXTS = 2  # a step's contexts of both KV kinds (runner/context.py for_kind), so alternating layers reuse
 _MEMO = _StepMemo()
 
 
@@ -207,12 +211,13 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logit_softcap = None if logit_softcap is None else float(logit_softcap)
         self.kv_cache: torch.Tensor | None = None  # assigned by the ModelRunner
+        self.kv_kind = 0  # which KV pool (and the step's slots and block tables) it uses: runner/kv_cache.py
         self.k_scale = torch.tensor(1.0)  # float32 scalars, used only with an FP8 cache
         self.v_scale = torch.tensor(1.0)
 
     def forward(self, q, k, v, ctx: StepContext, out_scale=None) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hk*D] -> [T, Hq*D] (float8_e4m3fn, out / out_scale, when out_scale is given)."""
-        t = q.shape[0]
+        t, ctx = q.shape[0], ctx.for_kind(self.kv_kind)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -222,6 +227,7 @@ class Attention(nn.Module):
     def forward_qkv(self, qkv, cos_sin_cache, part_scales, ctx: StepContext, out_scale=None) -> torch.Tensor:
         """qkv [T, >= (Hq+2Hk)*D], the fused projection's rows (part_scales: fp32 [3] or None, see rotary_qk_ref) ->
         [T, Hq*D] as forward gives: rotary and the K/V store in one backend call."""
+        ctx = ctx.for_kind(self.kv_kind)
         q = _backend.rotary_store_kv(qkv, self.num_heads, self.num_kv_heads, ctx.positions, cos_sin_cache,
                                      part_scales, self.kv_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         return self._attend(q.view(q.shape[0], self.num_heads, self.head_dim), ctx, out_scale)

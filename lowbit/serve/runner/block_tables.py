@@ -12,7 +12,8 @@ class BlockTables:
     last step, into which a step writes only the blocks a sequence gained. Relies on BlockManager's contract that a
     held block_table only grows by append (a new allocation is a new list)."""
 
-    def __init__(self, rows: int, cols: int, multiple: int = TABLE_WIDTH_MULTIPLE):
+    def __init__(self, rows: int, cols: int, multiple: int = TABLE_WIDTH_MULTIPLE, kind: int = 0):
+        self.kind = kind  # which of a sequence's block_tables (one per layer kind) this holds
         self.array = np.zeros((rows, cols), np.int32)
         self.multiple = multiple  # the width handed out is a multiple of this
         self.free = list(range(rows - 1, -1, -1))  # rows held by no sequence, popped from the end
@@ -25,7 +26,7 @@ class BlockTables:
         rows, width = [], 1
         for seq in seqs:
             entry = self.entries[seq.seq_id] = old.pop(seq.seq_id, None) or [self._free_row(), None, 0]
-            row, table = entry[0], seq.block_table
+            row, table = entry[0], seq.block_tables[self.kind] if self.kind else seq.block_table
             if entry[1] is not table:  # allocated anew (first step, or after a preemption)
                 entry[1], entry[2] = table, 0
                 self.array[row] = 0

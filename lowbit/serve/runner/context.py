@@ -1,5 +1,5 @@
 """The one per-step context the model reads: where each new token's K/V go and what each query attends to."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,3 +15,13 @@ class StepContext:
     is_decode: bool  # every sequence has exactly one new token
     query_lens_cpu: list[int]  # host copies, so reference paths never synchronise with the device
     context_lens_cpu: list[int]
+    kinds: tuple = ()  # the contexts of layer kinds 1, 2, ... (their own slots and block tables), see for_kind
+
+    def with_kinds(self, kinds: list[tuple[torch.Tensor, torch.Tensor]]) -> "StepContext":
+        """Sets the (slot_mapping, block_tables) of layer kinds 1, 2, ... (KV pools of their own); returns self."""
+        self.kinds = tuple(replace(self, slot_mapping=s, block_tables=t, kinds=()) for s, t in kinds)
+        return self
+
+    def for_kind(self, kind: int) -> "StepContext":
+        """The context an attention layer of KV kind `kind` reads: this one for kind 0."""
+        return self if kind == 0 else self.kinds[kind - 1]

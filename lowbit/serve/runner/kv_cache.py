@@ -4,7 +4,8 @@ Each attention layer's cache is [2, num_blocks, block_size, num_kv_heads, head_d
 or float8_e4m3fn). On the GPU, blocks = free_gpu_memory_fraction x (memory free after the weights and a warm-up
 forward of max_num_tokens, less that forward's activation peak) / bytes per block, capped by max_tokens; on the CPU,
 a fraction of the available RAM. A draft model (speculative decoding) shares that budget: `KvPartner` adds its bytes
-per block and its warm-up peak, and both pools get the same number of blocks.
+per block and its warm-up peak, and both pools get the same number of blocks. A model with full and windowed layers
+has a pool per layer kind, the windowed one no larger than its layers can read at once (`split_kv_budget`).
 """
 from dataclasses import dataclass
 
@@ -34,16 +35,43 @@ def cdiv(a: int, b: int) -> int:
 
 
 def allocate_kv_cache(model, attn_layers, config: EngineConfig, kv_dtype: torch.dtype, device: torch.device,
-                      partner: KvPartner | None = None) -> int:
+                      partner: KvPartner | None = None, windows: list[int | None] = (None,)) -> list[int]:
     """Gives every attention layer its cache of config.num_kv_blocks blocks, or of as many as fit (with a partner:
-    as many as fit when each block also holds the partner's K/V for as many tokens); returns that number of blocks.
-    The partner's own pool is allocated by its runner."""
+    as many as fit when each block also holds the partner's K/V for as many tokens); returns that number of blocks
+    per layer kind (`assign_kv_kinds`: windows[k] is kind k's window). With two kinds that budget, counted in blocks
+    of every layer, is split by `split_kv_budget`. The partner's own pool is allocated by its runner."""
     num_blocks = config.num_kv_blocks or blocks_that_fit(model, attn_layers, config, kv_dtype, device, partner)
+    counts = [num_blocks] if len(windows) == 1 else split_kv_budget(num_blocks, attn_layers, windows, config)
     a = attn_layers[0]
-    shape = (2, num_blocks, config.block_size, a.num_kv_heads, a.head_dim)
     for layer in attn_layers:
+        shape = (2, counts[layer.kv_kind], config.block_size, a.num_kv_heads, a.head_dim)
         layer.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
-    return num_blocks
+    return counts
+
+
+def assign_kv_kinds(attn_layers, split: bool = True) -> list[int | None]:
+    """Sets each attention layer's kv_kind; returns each kind's window (None: full attention). A model with both
+    full and windowed layers has kind 0 (full) and kind 1 (windowed, window: the largest of its layers) when split,
+    else one kind of full attention; a model whose layers are all windowed has one windowed kind."""
+    windows = [m.sliding_window for m in attn_layers]
+    mixed = None in windows and any(w is not None for w in windows)
+    for m in attn_layers:
+        m.kv_kind = 1 if mixed and split and m.sliding_window is not None else 0
+    if mixed and split:
+        return [None, max(w for w in windows if w is not None)]
+    return [None if not windows or None in windows else max(windows)]
+
+
+def split_kv_budget(num_blocks: int, attn_layers, windows: list[int | None], config: EngineConfig) -> list[int]:
+    """num_blocks blocks of every layer -> [full kind's, windowed kind's] blocks in the same bytes. The windowed
+    kind gets what max_batch_size sequences can hold at once, (window + max_num_tokens) / block_size + 2 blocks
+    each (a prefill chunk's blocks stay until it is computed; partial blocks at both ends), at most num_blocks;
+    the full kind the rest of the bytes (so at least num_blocks)."""
+    per_kind = [sum(1 for m in attn_layers if m.kv_kind == k) for k in range(2)]  # every layer has one K/V shape
+    window_blocks = min(num_blocks, config.max_batch_size * (cdiv(windows[1] + config.max_num_tokens,
+                                                                  config.block_size) + 2))
+    full_blocks = (num_blocks * (per_kind[0] + per_kind[1]) - window_blocks * per_kind[1]) // per_kind[0]
+    return [full_blocks, window_blocks]
 
 
 def bytes_per_block(attn_layers, block_size: int, kv_dtype: torch.dtype) -> int:
@@ -88,6 +116,7 @@ def warm_up_peak(model, attn_layers, num_tokens: int, block_size: int, kv_dtype,
                       block_tables=torch.arange(nblk, dtype=torch.int32, device=device)[None],
                       logits_indices=torch.tensor([num_tokens - 1], device=device), is_decode=False,
                       query_lens_cpu=[num_tokens], context_lens_cpu=[num_tokens])
+    ctx.with_kinds([(ctx.slot_mapping, ctx.block_tables)] * max(m.kv_kind for m in attn_layers))  # alike pools
     with torch.inference_mode():
         model.compute_logits(model(torch.zeros(num_tokens, dtype=torch.int64, device=device), ctx)[-1:])
     torch.cuda.synchronize(device)

@@ -1,5 +1,5 @@
 """Runs one scheduled step: flattens the batch into the model's inputs and the step context, returns logits."""
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import chain
 
 import numpy as np
@@ -7,14 +7,14 @@ import torch
 
 from lowbit.checkpoint import Checkpoint
 from lowbit.kernels import merge_pending
-from lowbit.progress import stage
+from lowbit.progress import note, stage
 from lowbit.serve.layers.attention import Attention
 from lowbit.serve.engine.config import EngineConfig
 from lowbit.serve.runner.block_tables import TABLE_WIDTH_MULTIPLE, BlockTables
 from lowbit.serve.runner.context import StepContext
 from lowbit.serve.runner.host_cache import HostCache
-from lowbit.serve.runner.kv_cache import KvPartner, allocate_kv_cache
-from lowbit.serve.runner.loader import kv_window, load_model, model_dtype
+from lowbit.serve.runner.kv_cache import KvPartner, allocate_kv_cache, assign_kv_kinds
+from lowbit.serve.runner.loader import load_model, model_dtype
 from lowbit.serve.engine.host_pool import BlockMoves
 from lowbit.serve.engine.scheduler import Batch
 
@@ -23,10 +23,13 @@ UPLOAD_ALIGN_BYTES = 16
 
 
 class ModelRunner:
-    def __init__(self, ckpt: Checkpoint, config: EngineConfig, tp=None, kv_partner: "ModelRunner | None" = None):
+    def __init__(self, ckpt: Checkpoint, config: EngineConfig, tp=None, kv_partner: "ModelRunner | None" = None,
+                 split_kv_kinds: bool = True):
         """tp: this process's TensorParallelGroup: the runner holds its rank's shard (lowbit.serve.distributed).
         kv_partner: a draft model's runner on the same device (loaded, its pool not yet sized): both pools get the
-        same number of blocks out of one budget, and the partner's pool is allocated here (`adopt_kv`)."""
+        same number of blocks out of one budget, and the partner's pool is allocated here (`adopt_kv`).
+        split_kv_kinds: a model with full and windowed layers gets a KV pool per layer kind (kv_cache.py
+        `assign_kv_kinds`), unless tensor parallelism, a host KV cache or a draft model is in (or it is one)."""
         self.config = config
         self.model_config = ckpt.config
         device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -37,7 +40,13 @@ class ModelRunner:
         kv = ckpt.kv_format  # a ValueError for an unknown kv_cache_quant_algo
         self.kv_dtype = kv.cache_dtype if kv is not None else self.dtype
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.sliding_window = kv_window(self.model)  # every layer windowed: blocks before it may be freed
+        host_cache = config.host_cache_size and config.enable_prefix_caching
+        split = split_kv_kinds and tp is None and kv_partner is None and not host_cache
+        self.kv_windows = assign_kv_kinds(self.attn_layers, split)  # per kind: blocks before its window are freed
+        self.sliding_window = self.kv_windows[0] if len(self.kv_windows) == 1 else None  # every layer windowed
+        if split_kv_kinds and not split and {m.sliding_window is None for m in self.attn_layers} == {True, False}:
+            note("full and windowed attention layers share one KV pool (tensor parallelism, a host KV cache or a "
+                 "draft model is on): the windowed layers hold the whole context")
         gpu_attention = self.gpu_attention = _use_gpu_attention(self.device.type == "cuda")
         bs = config.block_size
         if gpu_attention and self.kv_dtype == torch.float8_e4m3fn and bs & (bs - 1):
@@ -46,24 +55,30 @@ class ModelRunner:
         with stage("warm-up and KV cache" if self.device.type == "cuda" else "KV cache"):
             partner = None if kv_partner is None else \
                 KvPartner(kv_partner.model, kv_partner.attn_layers, kv_partner.kv_dtype)
-            self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, config, self.kv_dtype, self.device,
-                                                partner)
-            agreed = self.num_blocks if tp is None else tp.min(self.num_blocks)  # every rank holds the same pool
-            if agreed < self.num_blocks:
-                self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, replace(config, num_kv_blocks=agreed),
-                                                    self.kv_dtype, self.device)
+            self.kv_blocks = allocate_kv_cache(self.model, self.attn_layers, config, self.kv_dtype, self.device,
+                                               partner, self.kv_windows)
+            agreed = self.kv_blocks[0] if tp is None else tp.min(self.kv_blocks[0])  # every rank: the same pool
+            if agreed < self.kv_blocks[0]:  # one kind with tp
+                self.kv_blocks = allocate_kv_cache(self.model, self.attn_layers, replace(config, num_kv_blocks=agreed),
+                                                   self.kv_dtype, self.device)
+            self.num_blocks = self.kv_blocks[0]
+            if len(self.kv_blocks) > 1:
+                note(f"KV pools: {self.kv_blocks[0]} blocks for the full-attention layers, {self.kv_blocks[1]} for "
+                     f"the windowed ones (window {self.kv_windows[1]})")
         if kv_partner is not None:
             kv_partner.adopt_kv(self.num_blocks, config.cuda_graphs)
         self.host_cache = None  # evicted prefix blocks in host memory (config.host_cache_size)
         if config.host_cache_size and config.enable_prefix_caching:  # it holds prefix-cache blocks only
             with stage("host KV cache"):
                 self.host_cache = HostCache.sized([m.kv_cache for m in self.attn_layers], config.host_cache_size)
-        self.block_tables = BlockTables(config.max_batch_size, 64)
+        self.block_tables = [BlockTables(config.max_batch_size, 64, kind=k) for k in range(len(self.kv_blocks))]
         self.graphs = self.verify_graphs = None
         if gpu_attention and config.cuda_graphs and tp is None:
             with stage("capturing decode CUDA graphs"):
                 self.graphs = self._capture_decode_graphs(ckpt.config)
-            if config.speculative is not None:  # the verify step: k + 1 tokens per sequence, k <= num_draft_tokens
+            # the verify step: k + 1 tokens per sequence, k <= num_draft_tokens; its graphs hold one block table,
+            # so a model with a KV pool per layer kind verifies eagerly
+            if config.speculative is not None and len(self.kv_blocks) == 1:
                 with stage("capturing verify CUDA graphs"):
                     self.verify_graphs = self.capture_verify_graphs(range(2, config.num_draft_tokens + 2))
 
@@ -76,7 +91,8 @@ class ModelRunner:
         max_blocks = -(-max_len // bs)
         width = -(-max_blocks // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE  # as wide as any table handed out
         num_kv_heads = model_config.get("num_key_value_heads") or model_config["num_attention_heads"]
-        graphs = DecodeGraphs(self.model, self.config.max_batch_size, width, num_kv_heads, self.device)
+        graphs = DecodeGraphs(self.model, self.config.max_batch_size, width, num_kv_heads, self.device,
+                              num_kinds=len(self.kv_blocks))
         graphs.capture()
         return graphs
 
@@ -96,7 +112,9 @@ class ModelRunner:
         with its target's, `kv_partner`), then its decode graphs and 2-token catch-up graphs when cuda_graphs and the
         GPU allow them."""
         self.config = replace(self.config, num_kv_blocks=num_blocks, cuda_graphs=cuda_graphs)
-        self.num_blocks = allocate_kv_cache(self.model, self.attn_layers, self.config, self.kv_dtype, self.device)
+        self.kv_blocks = allocate_kv_cache(self.model, self.attn_layers, self.config, self.kv_dtype, self.device,
+                                           windows=self.kv_windows)
+        self.num_blocks = self.kv_blocks[0]
         if self.gpu_attention and cuda_graphs:
             with stage("capturing the draft model's decode CUDA graphs"):
                 self.graphs = self._capture_decode_graphs(self.model_config)
@@ -120,7 +138,7 @@ class ModelRunner:
         """The step's inputs as host arrays. logit_rows[i]: offsets within seq i's new tokens whose logits are wanted.
         pending: where the sequences whose newest token is still on the device (token_ids[-1] == PENDING) find it."""
         seqs, counts, bs = batch.seqs, batch.num_new_tokens, self.config.block_size
-        tables = self.block_tables.gather(seqs)
+        tables, *kind_tables = (t.gather(seqs) for t in self.block_tables)
         starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
         qsl = np.zeros(len(seqs) + 1, np.int64)
         np.cumsum(counts, out=qsl[1:])
@@ -132,7 +150,8 @@ class ModelRunner:
                                                         zip(seqs, starts.tolist(), counts)), np.int64, int(qsl[-1]))
             rows_of_tokens = np.repeat(np.arange(len(seqs)), counts)
             positions = np.arange(qsl[-1]) + np.repeat(starts - qsl[:-1], counts)
-        slots = tables[rows_of_tokens, positions // bs].astype(np.int64) * bs + positions % bs
+        slots, *kind_slots = (t[rows_of_tokens, positions // bs].astype(np.int64) * bs + positions % bs
+                              for t in [tables] + kind_tables)
         ctx_lens = starts + counts
         if all(r == [0] for r in logit_rows):
             logits_indices = qsl[:-1]
@@ -143,19 +162,21 @@ class ModelRunner:
             source = np.full(len(input_ids), -1, np.int64)
             source[qsl[1:] - 1] = pending.rows
         return HostInputs(input_ids, positions, slots, logits_indices, source, qsl.astype(np.int32),
-                          ctx_lens.astype(np.int32), tables, batch.is_decode, list(counts), ctx_lens.tolist())
+                          ctx_lens.astype(np.int32), tables, batch.is_decode, list(counts), ctx_lens.tolist(),
+                          list(zip(kind_slots, kind_tables)))
 
     def device_inputs(self, h: "HostInputs", pending: "PendingTokens | None") -> tuple[torch.Tensor, StepContext]:
         """A step's host arrays on the device in one copy, the tokens still on the device merged in."""
-        ids, positions, slots, logits_indices, qsl, ctx_lens, tables, *source = self.upload(
+        kinds = list(chain.from_iterable(h.kinds))
+        ids, positions, slots, logits_indices, qsl, ctx_lens, tables, *rest = self.upload(
             [h.input_ids, h.positions, h.slot_mapping, h.logits_indices, h.query_start_loc, h.context_lens,
-             h.block_tables] + ([h.pending_source] if pending is not None else []))
+             h.block_tables] + kinds + ([h.pending_source] if pending is not None else []))
         if pending is not None:
-            ids = merge_pending(ids, source[0], pending.tokens)
+            ids = merge_pending(ids, rest[-1], pending.tokens)
         ctx = StepContext(positions=positions, slot_mapping=slots, query_start_loc=qsl, context_lens=ctx_lens,
                           block_tables=tables, logits_indices=logits_indices, is_decode=h.is_decode,
                           query_lens_cpu=h.query_lens_cpu, context_lens_cpu=h.context_lens_cpu)
-        return ids, ctx
+        return ids, ctx.with_kinds([(rest[i], rest[i + 1]) for i in range(0, len(kinds), 2)])
 
     def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """One host-to-device copy for several int64 / int32 arrays (through pinned memory on CUDA); device views,
@@ -206,6 +227,7 @@ class HostInputs:
     is_decode: bool
     query_lens_cpu: list[int]
     context_lens_cpu: list[int]
+    kinds: list = field(default_factory=list)  # per layer kind after kind 0: (slot_mapping [T] int64, tables [B, W'])
 
 
 @dataclass

@@ -33,7 +33,7 @@ def load_draft_runner(config: EngineConfig, target_ckpt, draft_ckpt=None):
     check_same_vocabulary(target_ckpt, draft_ckpt, config.draft_model or str(draft_ckpt.path))
     draft_config = replace(config, num_kv_blocks=1, cuda_graphs=False, host_cache_size=0, speculative=None,
                            draft_model=None)
-    return ModelRunner(draft_ckpt, draft_config)
+    return ModelRunner(draft_ckpt, draft_config, split_kv_kinds=False)  # its BlockManager has one pool
 
 
 def check_same_vocabulary(target, draft, name: str) -> None:
