@@ -73,7 +73,8 @@ def _per_kv_head(module: str, s: torch.Tensor, config: dict) -> torch.Tensor:
     grouped = s.reshape(kv_heads, heads // kv_heads, -1)
     if not torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
         raise UserError(f"{module}: its pre_quant_scale differs across the {heads // kv_heads} query heads sharing "
-                        "a KV head, so v_proj cannot take it (grouped-query attention)")
+                        "a KV head, so v_proj cannot take it (grouped-query attention); quantize the float model "
+                        "with --export-format compressed-tensors, which smooths o_proj per KV group")
     return grouped[:, 0].reshape(-1)
 
 
