@@ -74,7 +74,7 @@ def _to_modelopt(ckpt, out: Path) -> None:
         fmt = ckpt.layer_format(m)
         if fmt is None or fmt.calibration is None:
             raise UserError(f"{ckpt.path}: {m} is {fmt.name if fmt else 'unlisted'}, which has no modelopt "
-                            "quant_algo (modelopt writes no zero points)")
+                            "quant_algo (e.g. zero points, dynamic int8 activations)")
     quant = {k: v for k, v in ckpt.quant.items() if k != "source"}
     with stage(f"writing {len(tensors)} tensors"):
         save_file({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})

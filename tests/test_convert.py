@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from lowbit import checkpoint, formats
 from lowbit.cli import main
 from lowbit.convert_cli import convert
+from lowbit.errors import UserError
 from interop_fixtures import compressed_tensors_checkpoint, int4_checkpoint
 
 pytest.importorskip("compressed_tensors")
@@ -70,3 +71,25 @@ def test_cli_writes_with_progress_and_refuses_an_existing_output(tmp_path, capsy
     assert torch.equal(_logits(tmp_path / "src"), _logits(tmp_path / "ct"))
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "ct"), "--to", "modelopt"]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_int8_dynamic_per_token_round_trips_through_compressed_tensors(tmp_path):
+    """llm-compressor's W8A8 preset (int8 channel weights, dynamic per-token int8 input) read and written back: the
+    same tensors and scheme; modelopt has no such quant_algo, so --to modelopt is refused."""
+    qc = compressed_tensors_checkpoint(tmp_path / "src", "W8A8")
+    convert(tmp_path / "src", tmp_path / "ct", "compressed-tensors")
+    back_qc = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    for part in ("weights", "input_activations"):
+        theirs, ours = qc["config_groups"]["group_0"][part], back_qc["config_groups"]["group_0"][part]
+        assert {k: ours[k] for k in ("num_bits", "type", "symmetric", "strategy", "dynamic")} == \
+            {k: theirs[k] for k in ("num_bits", "type", "symmetric", "strategy", "dynamic")}, part
+    assert back_qc["format"] == qc["format"] == "int-quantized"
+    original, back = load_file(tmp_path / "src" / "model.safetensors"), load_file(tmp_path / "ct" / "model.safetensors")
+    assert sorted(original) == sorted(back)
+    for name in original:
+        assert torch.equal(back[name].float(), original[name].float().reshape(back[name].shape)), name
+    assert checkpoint.read(tmp_path / "ct").layer_format("model.layers.0.mlp.up_proj") is \
+        formats.INT8_PER_CHANNEL_PER_TOKEN
+    assert torch.equal(_logits(tmp_path / "src"), _logits(tmp_path / "ct"))
+    with pytest.raises(UserError, match="INT8_PER_CHANNEL_PER_TOKEN, which has no modelopt quant_algo"):
+        convert(tmp_path / "src", tmp_path / "mo", "modelopt")

@@ -9,7 +9,7 @@ from lowbit.testing.dummy_weights import FORMATS, LLAMA_3_1_8B, dummy_checkpoint
 TINY = dict(LLAMA_3_1_8B, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, head_dim=64, vocab_size=256)  # K a multiple of the 4-bit formats' 128
 WEIGHT_DTYPE = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int4_awq": torch.uint8, "nvfp4": torch.uint8,
-                "w8a8_sq": torch.int8}
+                "w8a8_sq": torch.int8, "int8_dynamic": torch.int8}
 
 
 def test_every_format_lists_exactly_what_it_draws():

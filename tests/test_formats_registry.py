@@ -8,7 +8,8 @@ from lowbit import formats
 N, K = 64, 256
 # relative Frobenius error of dequantize(quantize(w)) against w for a N(0, 1) weight, by format
 TOLERANCE = {"bf16": 3e-3, "FP8": 0.035, "FP8_PER_CHANNEL_PER_TOKEN": 0.035, "W8A8_SQ_PER_CHANNEL": 0.01,
-             "W4A16_AWQ": 0.15, "NVFP4": 0.12, "W4A16_NVFP4": 0.12, "W4A16_ZP": 0.12}
+             "W4A16_AWQ": 0.15, "NVFP4": 0.12, "W4A16_NVFP4": 0.12, "W4A16_ZP": 0.12,
+             "INT8_PER_CHANNEL_PER_TOKEN": 0.01}
 
 
 def weight(seed: int = 0, n: int = N, k: int = K) -> torch.Tensor:
@@ -22,7 +23,7 @@ def explicit_dequantize(name: str, t: dict) -> torch.Tensor:
         return w.float()
     if name == "FP8":
         return w.float() * t["weight_scale"].float()
-    if name in ("FP8_PER_CHANNEL_PER_TOKEN", "W8A8_SQ_PER_CHANNEL"):
+    if name in ("FP8_PER_CHANNEL_PER_TOKEN", "W8A8_SQ_PER_CHANNEL", "INT8_PER_CHANNEL_PER_TOKEN"):
         return w.float() * t["weight_scale"].float()[:, None]
     if name in ("W4A16_AWQ", "W4A16_ZP"):
         lo, hi = (w & 0xF).to(torch.int16), (w >> 4).to(torch.int16)
@@ -50,6 +51,9 @@ def explicit_activation(name: str, x: torch.Tensor, t: dict) -> torch.Tensor:
     if name == "W8A8_SQ_PER_CHANNEL":
         s = t["input_scale"].float()
         return (x / s).round().clamp(-128, 127) * s
+    if name == "INT8_PER_CHANNEL_PER_TOKEN":
+        s = x.abs().amax(dim=-1, keepdim=True) / 127
+        return (x / s).round().clamp(-127, 127) * s
     if name == "NVFP4":
         return formats.fake_quant_nvfp4(x, t["input_scale"].float())  # checked against modelopt in test_formats_nvfp4
     return x
@@ -161,7 +165,7 @@ def test_layer_format_exclusions_and_mixed_precision():
 
 
 def test_unknown_names_raise_and_list_the_known():
-    with pytest.raises(ValueError, match="FP8, FP8_PER_CHANNEL_PER_TOKEN, NVFP4"):
+    with pytest.raises(ValueError, match="FP8, FP8_PER_CHANNEL_PER_TOKEN, INT8_PER_CHANNEL_PER_TOKEN, NVFP4"):
         formats.get("INT3")
     assert formats.get(None) is formats.BF16 and formats.get("fp16") is formats.BF16
     with pytest.raises(ValueError, match="kv_cache_quant_algo 'NVFP4'"):
@@ -177,10 +181,11 @@ def test_kv_format():
 
 def test_flags_the_kernels_read():
     assert [f.name for f in map(formats.get, formats.names()) if f.static_fp8_input] == ["FP8"]
-    assert [f.name for f in map(formats.get, formats.names()) if f.dynamic_per_token] == ["FP8_PER_CHANNEL_PER_TOKEN"]
+    per_token = [f.name for f in map(formats.get, formats.names()) if f.dynamic_per_token]
+    assert per_token == ["FP8_PER_CHANNEL_PER_TOKEN", "INT8_PER_CHANNEL_PER_TOKEN"]
     kernels = {n: formats.get(n).kernel for n in formats.names()}
     assert kernels == {"bf16": "dense", "FP8": "fp8", "FP8_PER_CHANNEL_PER_TOKEN": "fp8", "W8A8_SQ_PER_CHANNEL": "int8",
                        "W4A16_AWQ": "int4", "NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4",
-                       "W4A16_ZP": "int4"}
+                       "W4A16_ZP": "int4", "INT8_PER_CHANNEL_PER_TOKEN": "int8"}
     assert {f.name for f in formats.calibrated()} == {"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "NVFP4", "W4A16_AWQ",
                                                       "W8A8_SQ_PER_CHANNEL"}

@@ -15,7 +15,7 @@ pytest.importorskip("compressed_tensors")
 
 SCHEMES = {"W4A16": formats.W4A16_AWQ, "W4A16_ASYM": formats.W4A16_ZP, "FP8": formats.FP8,
            "FP8_DYNAMIC": formats.FP8_PER_CHANNEL_PER_TOKEN, "NVFP4": formats.NVFP4, "NVFP4A16": formats.W4A16_NVFP4,
-           "W8A8_STATIC": formats.W8A8_SQ_PER_CHANNEL}
+           "W8A8_STATIC": formats.W8A8_SQ_PER_CHANNEL, "W8A8": formats.INT8_PER_CHANNEL_PER_TOKEN}
 PROMPTS = [[(7 * i + 3) % 1000 + 5 for i in range(n)] for n in (3, 17)]
 
 
@@ -82,7 +82,7 @@ def test_engine_greedy_equals_transformers_on_the_decompressed_model(preset, tmp
     assert _engine_greedy(tmp_path, PROMPTS) == _hf_greedy(model, PROMPTS)
 
 
-@pytest.mark.parametrize("preset", ["FP8", "FP8_DYNAMIC"])
+@pytest.mark.parametrize("preset", ["FP8", "FP8_DYNAMIC", "W8A8"])
 def test_engine_greedy_equals_the_reference_reader(preset, tmp_path):
     """Activation-quantized schemes: transformers cannot run them, lowbit's reference reader does (fake quant)."""
     compressed_tensors_checkpoint(tmp_path, preset)
@@ -139,6 +139,6 @@ def test_bad_input_fails_at_load_naming_the_tensor(preset, edit, message, tmp_pa
 
 
 def test_unsupported_scheme_is_refused_at_read(tmp_path):
-    compressed_tensors_checkpoint(tmp_path, "W8A8")  # int8 with dynamic per-token activations: no lowbit format
-    with pytest.raises(UserError, match="input_activations .*'dynamic': True.* has no lowbit format"):
+    compressed_tensors_checkpoint(tmp_path, "W4A8")  # int4 weights, dynamic per-token int8 input: no lowbit format
+    with pytest.raises(UserError, match="weights .*'num_bits': 4.*'dynamic': True.* has no lowbit format"):
         checkpoint.read(tmp_path)

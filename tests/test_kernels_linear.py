@@ -13,9 +13,11 @@ from lowbit.testing.synthetic import quantize_linear  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(not interpreting(), reason="needs triton and TRITON_INTERPRET=1 at its import")
 
-ALGOS = ["FP8", "FP8_PER_CHANNEL_PER_TOKEN", "NVFP4", "W4A16_NVFP4", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL"]
+ALGOS = ["FP8", "FP8_PER_CHANNEL_PER_TOKEN", "NVFP4", "W4A16_NVFP4", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL",
+         "INT8_PER_CHANNEL_PER_TOKEN"]
 # fp8 rows are loose: the interpreter mis-rounds ~2% of fp32 -> fp8 casts (ENV.md); NVFP4 is served weight-only
 INTERPRETER_TOL = {"FP8": 0.15, "FP8_PER_CHANNEL_PER_TOKEN": 0.15, "W8A8_SQ_PER_CHANNEL": 2e-3,
+                   "INT8_PER_CHANNEL_PER_TOKEN": 2e-3,
                    "NVFP4": 2e-3, "W4A16_NVFP4": 2e-3, "W4A16_AWQ": 2e-3, "bf16": 2e-3}
 
 

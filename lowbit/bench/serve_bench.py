@@ -7,6 +7,8 @@ Phases (each bounded by --deadline-s; a failed phase is reported with its traceb
   formats  per format: batch-1 latency (TTFT, ITL), offline maximum-load throughput (N requests, EOS ignored),
            and for bf16 the HF workload through lowbit (the ratio)
   extra    FP8 maximum load at other ISL/OSL pairs (--extra)
+  interop  batch-1 decode of the same int4 weights in modelopt, compressed-tensors, GPTQ and AutoAWQ layouts, each
+           repacked at load (lowbit.bench.serve_interop; not in the default --phases)
 The defaults: up to 1024 sequences in flight, 768 requests at 1000/1000 (--max-batch-size 512: half the sequences).
 Writes JSON (--json) and a markdown section (--markdown, appended).
 """
@@ -569,6 +571,10 @@ def markdown(r: dict) -> str:
         lines.append(f"HF transformers {hf['transformers']} `generate`, same dummy bf16 model, batch {hf['batch']}, "
                      f"{hf['isl']}/{hf['osl']}: {hf['output_tok_s']} tok/s. lowbit on the same workload (each format "
                      f"quantized from the same seeded float weights): {lowbit}.\n")
+    if "rows" in r.get("interop", {}):
+        from lowbit.bench import serve_interop
+
+        lines += serve_interop.markdown(r["interop"])
     failed = [k for k, v in r.items() if isinstance(v, dict) and ("error" in v or "skipped" in v)]
     if failed:
         lines.append(f"Not measured: {', '.join(failed)} (see the JSON).\n")
@@ -596,6 +602,10 @@ def main(argv=None) -> int:
     if "formats" in args.phases:
         for fmt in chosen:
             phase(results, f"serve_{fmt}", lambda: bench_format(args, fmt, results), args)
+    if "interop" in args.phases:
+        from lowbit.bench.serve_interop import interop
+
+        phase(results, "interop", lambda: interop(args), args)
     if args.markdown:
         with open(args.markdown, "a") as f:
             f.write(markdown(results))

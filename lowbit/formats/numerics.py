@@ -119,6 +119,12 @@ def fake_quant_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).round().clamp(-INT8_MAX - 1, INT8_MAX) * scale
 
 
+def fake_quant_int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """Dynamic per-token int8 (lowbit.kernels act_quant): scale = amax(|row|) / 127, q in [-127, 127]."""
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=1e-12)
+    return (x.float() / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale
+
+
 def fake_quant_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     """Dynamic NVFP4 activation quantization (block scales from each block's amax, global scale from the
     checkpoint's input_scale). A block whose e4m3 scale underflows to 0 becomes 0, as in NVIDIA's kernels;

@@ -31,7 +31,8 @@ def shard_bytes(value: int | str) -> int:
 def export(model, tokenizer, recipe: Recipe, out: Path, source: str, force: bool = False,
            export_format: str = "modelopt", max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Write the checkpoint into a temporary directory and rename it to `out`. The model is packed in place.
-    export_format "compressed-tensors": modelopt's tensors rewritten in that layout (lowbit.checkpoint.interop).
+    export_format "compressed-tensors": o_proj smoothing first made equal within each KV group
+    (lowbit.calibrate.kv_group_smooth), then modelopt's tensors rewritten in that layout (lowbit.checkpoint.interop).
     max_shard_size: a larger checkpoint is written as model-0000k-of-0000n.safetensors + model.safetensors.index.json
     (modelopt's export through transformers' save_pretrained)."""
     from modelopt.torch.export import export_hf_checkpoint
@@ -41,6 +42,8 @@ def export(model, tokenizer, recipe: Recipe, out: Path, source: str, force: bool
     with write_atomically(out, force=force) as tmp:
         if not getattr(model.config, "architectures", None):
             model.config.architectures = [type(model).__name__]
+        if export_format == "compressed-tensors":
+            _share_o_proj_smoothing(model)
         with redirect_stdout(io.StringIO()):  # modelopt prints its config; keep stdout for the summary
             export_hf_checkpoint(model, export_dir=str(tmp), max_shard_size=shard_size)
         if export_format == "compressed-tensors":
@@ -53,3 +56,12 @@ def export(model, tokenizer, recipe: Recipe, out: Path, source: str, force: bool
                              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     print(f"[lowbit] exported to {out} in {time.time() - t0:.1f} s", file=sys.stderr)
     return Path(out)
+
+
+def _share_o_proj_smoothing(model) -> None:
+    from lowbit.calibrate.kv_group_smooth import share_o_proj_smoothing
+
+    changed = share_o_proj_smoothing(model)
+    if changed:
+        print(f"[lowbit] {len(changed)} o_proj re-smoothed with one scale per KV group (compressed-tensors has no "
+              "pre_quant_scale; it folds into v_proj)", file=sys.stderr)

@@ -58,6 +58,7 @@ PRESETS = {"llama-3.1-8b": LLAMA_3_1_8B, "gemma-3-12b": GEMMA_3_12B, "mistral-7b
 FORMATS = {  # name -> (quant_algo of the linears, kv_cache_quant_algo)
     "bf16": (None, None), "fp8": (formats.FP8.name, formats.KV_FP8.name), "int4_awq": (formats.W4A16_AWQ.name, None),
     "nvfp4": (formats.NVFP4.name, None), "w8a8_sq": (formats.W8A8_SQ_PER_CHANNEL.name, None),
+    "int8_dynamic": (formats.INT8_PER_CHANNEL_PER_TOKEN.name, None),  # llm-compressor's W8A8 (compressed-tensors)
 }
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -67,24 +68,34 @@ STD = 0.02  # HF's initializer_range: keeps 32 random layers finite and the logi
 
 
 def dummy_checkpoint(fmt: str = "bf16", config: dict | None = None, seed: int = 0, device="cuda",
-                     max_position_embeddings: int | None = None, std: float = STD) -> "DummyCheckpoint":
-    """std: the linear weights' standard deviation (larger: each layer moves the logits more, for small tests)."""
+                     max_position_embeddings: int | None = None, std: float = STD,
+                     layout: str | None = None) -> "DummyCheckpoint":
+    """std: the linear weights' standard deviation (larger: each layer moves the logits more, for small tests).
+    layout (int4_awq only): the int4 weights pass through that checkpoint layout and its reader as they load
+    (lowbit.testing.dummy_layouts)."""
     if fmt not in FORMATS:
         raise ValueError(f"dummy format {fmt!r} is not one of {sorted(FORMATS)}")
+    if layout is not None and fmt != "int4_awq":
+        raise ValueError(f"dummy layout {layout!r} applies to int4_awq weights, not {fmt!r}")
     config = dict(config or LLAMA_3_1_8B)
     if max_position_embeddings:
         config["max_position_embeddings"] = max_position_embeddings
     algo, kv_algo = FORMATS[fmt]
+    if layout is not None:
+        from lowbit.testing.dummy_layouts import served_algo
+
+        algo = served_algo(layout)
     quant = None if algo is None else {"quant_algo": algo, "kv_cache_quant_algo": kv_algo,
                                        "exclude_modules": ["lm_head", f"*.{ROUTER}"], "group_size": 128}
     return DummyCheckpoint(Path(f"dummy-{fmt}"), config, quant, None, None, seed=seed, device=torch.device(device),
-                           std=std)
+                           std=std, layout=layout)
 
 
 class DummyCheckpoint(Checkpoint):
-    def __init__(self, path, config, quant, recipe, manifest, seed: int, device: torch.device, std: float = STD):
+    def __init__(self, path, config, quant, recipe, manifest, seed: int, device: torch.device, std: float = STD,
+                 layout: str | None = None):
         super().__init__(path, config, quant, recipe, manifest)
-        self.seed, self.device, self.std = seed, device, std
+        self.seed, self.device, self.std, self.layout = seed, device, std, layout
 
     def tensors(self, device: str = "cpu", lazy: bool = True) -> "LazyTensors":
         return LazyTensors(self)  # always lazy
@@ -131,7 +142,12 @@ class LazyTensors(Mapping):
         w = std * torch.randn(out_f, in_f, generator=g, device=dev)
         algo = self.ckpt.layer_algo(module)
         # NVFP4: one weight_scale_2 for every layer, so q/k/v and gate/up share it as in modelopt's export
-        tensors = {"weight": w.to(torch.bfloat16)} if algo is None else quantize_linear(algo, w, w_amax=8 * std)
+        if algo is not None and self.ckpt.layout is not None:
+            from lowbit.testing.dummy_layouts import through_layout
+
+            tensors = through_layout(self.ckpt.layout, module, w)
+        else:
+            tensors = {"weight": w.to(torch.bfloat16)} if algo is None else quantize_linear(algo, w, w_amax=8 * std)
         if self.ckpt.kv_format is not None and module.endswith((".k_proj", ".v_proj")):
             kind = module[-6]  # "k" or "v"
             tensors[f"{kind}_scale"] = torch.tensor(0.05 if kind == "k" else 0.01, device=dev)  # amax 22.4 / 4.5

@@ -4,7 +4,8 @@ Schemes read (config_groups[*].weights / input_activations; anything else is ref
 - float 8-bit weights: tensor weights + static tensor input -> FP8; channel or tensor weights + dynamic per-token
   input -> FP8_PER_CHANNEL_PER_TOKEN (a tensor weight scale repeated on every row).
 - int 8-bit symmetric channel weights + static symmetric tensor int8 input -> W8A8_SQ_PER_CHANNEL with a
-  pre_quant_scale of ones (the same math; llm-compressor folds SmoothQuant into the norms).
+  pre_quant_scale of ones (the same math; llm-compressor folds SmoothQuant into the norms); with symmetric dynamic
+  per-token int8 input (llm-compressor's W8A8 preset) -> INT8_PER_CHANNEL_PER_TOKEN.
 - pack-quantized int 4-bit group / channel weights, no input quantization -> W4A16_AWQ (symmetric) or W4A16_ZP
   (asymmetric); weight_packed int32 [out, in/8] holds q + 8 with element i at bits 4*i, zero points int32 packed
   along the output rows.
@@ -72,6 +73,9 @@ def _scheme_format(path, scheme: dict, fmt: str | None, where: str) -> formats.F
     elif (kind == ("int", 8, "channel") and w.get("symmetric", True) and act == ("int", 8, "tensor", False)
           and a.get("symmetric", True)):
         found = formats.W8A8_SQ_PER_CHANNEL
+    elif (kind == ("int", 8, "channel") and w.get("symmetric", True) and act == ("int", 8, "token", True)
+          and a.get("symmetric", True)):
+        found = formats.INT8_PER_CHANNEL_PER_TOKEN
     elif kind[:2] == ("int", 4) and kind[2] in ("group", "channel") and act is None and fmt == "pack-quantized":
         found = formats.W4A16_AWQ if w.get("symmetric", True) else formats.W4A16_ZP
     elif kind == ("float", 4, "tensor_group") and w.get("group_size") == formats.NVFP4_BLOCK and \
@@ -148,6 +152,12 @@ def _int8(path, name, t: dict) -> dict:
             "pre_quant_scale": torch.ones(w.shape[1], device=w.device)}
 
 
+def _int8_per_token(path, name, t: dict) -> dict:
+    w = take(t, f"{name}.weight", path)
+    check_dtype(f"{name}.weight", w, torch.int8, path)
+    return {"weight": w, "weight_scale": _row_scale(path, name, t, w.shape[0])}
+
+
 def _int4(path, name, t: dict, asymmetric: bool = False) -> dict:
     packed = take(t, f"{name}.weight_packed", path)
     out, inp = (int(v) for v in take(t, f"{name}.weight_shape", path).tolist())
@@ -182,5 +192,6 @@ def _w4a16_zp(path, name, t: dict) -> dict:
 
 
 _CONVERT = {formats.FP8.name: _fp8, formats.FP8_PER_CHANNEL_PER_TOKEN.name: _fp8_per_token,
-            formats.W8A8_SQ_PER_CHANNEL.name: _int8, formats.W4A16_AWQ.name: _int4,
+            formats.W8A8_SQ_PER_CHANNEL.name: _int8, formats.INT8_PER_CHANNEL_PER_TOKEN.name: _int8_per_token,
+            formats.W4A16_AWQ.name: _int4,
             formats.W4A16_ZP.name: _w4a16_zp, formats.NVFP4.name: _nvfp4, formats.W4A16_NVFP4.name: _nvfp4}

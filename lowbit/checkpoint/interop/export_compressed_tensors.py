@@ -1,11 +1,12 @@
 """A lowbit checkpoint written as compressed-tensors: the tensors, names and quantization_config llm-compressor writes
-for the same scheme (its FP8, FP8_DYNAMIC, W8A8 with static input, W4A16 / W4A16_ASYM, NVFP4, NVFP4A16), for vLLM.
+for the same scheme (its FP8, FP8_DYNAMIC, W8A8 with static or dynamic per-token input, W4A16 / W4A16_ASYM, NVFP4,
+NVFP4A16), for vLLM.
 
 Per format (compressed-tensors suffixes): FP8 `weight`, `weight_scale` [1], `input_scale` [1]; FP8 per channel
 `weight`, `weight_scale` [out, 1] (dynamic per-token input); W8A8 SmoothQuant int8 `weight`, `weight_scale` [out, 1],
-`input_scale` [1] ("int-quantized"); int4 `weight_packed` int32 [out, in/8] (q + 8, element j at bits 4*j),
-`weight_scale` [out, groups], `weight_shape` [2] and, asymmetric, `weight_zero_point` int32 [out/8, groups] (zero
-point + 8 packed along the rows) ("pack-quantized"); NVFP4 `weight_packed` uint8 [out, in/2], e4m3 `weight_scale`,
+`input_scale` [1] ("int-quantized"; dynamic per-token input: no input_scale); int4 `weight_packed` int32 [out, in/8]
+(q + 8, element j at bits 4*j), `weight_scale` [out, groups], `weight_shape` [2] and, asymmetric, `weight_zero_point`
+int32 [out/8, groups] (zero point + 8 packed along the rows) ("pack-quantized"); NVFP4 `weight_packed` uint8 [out, in/2], e4m3 `weight_scale`,
 `weight_global_scale` [1] = 1 / weight_scale_2 and `input_global_scale` [1] = 1 / input_scale. Scales stay fp32
 (llm-compressor writes the model dtype; fp32 keeps lowbit's numbers). pre_quant_scale vectors are folded upstream
 (lowbit.checkpoint.interop.fold). One scheme for every quantized linear targets "Linear" with exclude_modules as
@@ -45,6 +46,9 @@ SCHEMES = {
     formats.W8A8_SQ_PER_CHANNEL.name: lambda g: ({**INT8_ARGS, "strategy": "channel", "dynamic": False},
                                                  {**INT8_ARGS, "strategy": "tensor", "dynamic": False},
                                                  "int-quantized"),
+    formats.INT8_PER_CHANNEL_PER_TOKEN.name: lambda g: ({**INT8_ARGS, "strategy": "channel", "dynamic": False},
+                                                        {**INT8_ARGS, "strategy": "token", "dynamic": True},
+                                                        "int-quantized"),
     formats.W4A16_AWQ.name: _int4(True),
     formats.W4A16_ZP.name: _int4(False),
     formats.NVFP4.name: lambda g: ({**FP4_ARGS, "dynamic": False}, {**FP4_ARGS, "dynamic": "local"},
@@ -78,7 +82,7 @@ def module_tensors(fmt: formats.Format, t: dict) -> dict:
     if fmt is formats.FP8:
         return {"weight": t["weight"], "weight_scale": t["weight_scale"].float().reshape(1),
                 "input_scale": t["input_scale"].float().reshape(1)}
-    if fmt is formats.FP8_PER_CHANNEL_PER_TOKEN:
+    if fmt in (formats.FP8_PER_CHANNEL_PER_TOKEN, formats.INT8_PER_CHANNEL_PER_TOKEN):
         return {"weight": t["weight"], "weight_scale": t["weight_scale"].float().reshape(-1, 1)}
     if fmt is formats.W8A8_SQ_PER_CHANNEL:
         return {"weight": t["weight"], "weight_scale": t["weight_scale"].float().reshape(-1, 1),

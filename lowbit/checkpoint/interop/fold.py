@@ -18,7 +18,8 @@ PQS = "pre_quant_scale"
 NORM_FED = {"self_attn": ("input_layernorm",), "mlp": ("pre_feedforward_layernorm", "post_attention_layernorm")}
 NORM_READERS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 ROW_SOURCE = {"self_attn.o_proj": "self_attn.v_proj", "mlp.down_proj": "mlp.up_proj"}
-ROW_SCALED = (formats.W4A16_AWQ, formats.W4A16_ZP, formats.W8A8_SQ_PER_CHANNEL, formats.FP8_PER_CHANNEL_PER_TOKEN)
+ROW_SCALED = (formats.W4A16_AWQ, formats.W4A16_ZP, formats.W8A8_SQ_PER_CHANNEL, formats.FP8_PER_CHANNEL_PER_TOKEN,
+              formats.INT8_PER_CHANNEL_PER_TOKEN)
 
 
 def fold_pre_quant_scales(tensors: dict, layer_format, config: dict, kv_fp8: bool) -> dict:
@@ -73,7 +74,8 @@ def _per_kv_head(module: str, s: torch.Tensor, config: dict) -> torch.Tensor:
     grouped = s.reshape(kv_heads, heads // kv_heads, -1)
     if not torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
         raise UserError(f"{module}: its pre_quant_scale differs across the {heads // kv_heads} query heads sharing "
-                        "a KV head, so v_proj cannot take it (grouped-query attention)")
+                        "a KV head, so v_proj cannot take it (grouped-query attention); quantize the float model "
+                        "with --export-format compressed-tensors, which smooths o_proj per KV group")
     return grouped[:, 0].reshape(-1)
 
 
