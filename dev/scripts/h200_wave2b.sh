@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LOWBIT_HOME=$PWD/.gpu/home OMP_NUM_THR
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps .gpu/wheels/*.whl 2>&1 | grep -v "as the .root. user" | tail -2
-lb() { python3 -m lowbit.cli "$@" 2>&1 | grep -v '^\[lowbit\]'; }
+lb() { local t=$1; shift; timeout "$t" python3 -m lowbit.cli "$@" 2>&1 | grep -v '^\[lowbit\]'; }  # lb SECONDS ARGS
 for step in "$@"; do
 echo "=== $step $(date -u +%H:%M:%S)"
 case "$step" in
@@ -28,30 +28,30 @@ tests)
         tests/test_serve_window.py 2>&1 | tail -25
     ;;
 spec)
-    timeout 300 lb bench spec --batch-sizes 1,16,64 --ks 1,2,4,8 --tps-batch-sizes 1,16,64 --repeats 5 \
+    lb 300 bench spec --batch-sizes 1,16,64 --ks 1,2,4,8 --tps-batch-sizes 1,16,64 --repeats 5 \
         --json "$OUT/spec_8b.jsonl" | tail -40
     ;;
 specreal)
-    timeout 200 lb bench spec --model smollm2-135m-fp8 --draft-model smollm2-135m-int4_awq --no-verify-table \
+    lb 200 bench spec --model smollm2-135m-fp8 --draft-model smollm2-135m-int4_awq --no-verify-table \
         --tps-batch-sizes 1,4,16,64 --json "$OUT/spec_real.jsonl" | tail -25
     ;;
 interop)
-    timeout 240 lb bench serve --model llama-3.1-8b --phases interop --max-batch-size 8 --json "$OUT/interop.json" \
+    lb 240 bench serve --model llama-3.1-8b --phases interop --max-batch-size 8 --json "$OUT/interop.json" \
         --markdown "$OUT/interop.md" | grep -E '^\[|Error' | cut -c1-400
     ;;
 gemma)
-    timeout 240 lb bench serve --model gemma-3-12b --phases check,formats --formats fp8 --deadline-s 90 \
+    lb 240 bench serve --model gemma-3-12b --phases check,formats --formats fp8 --deadline-s 90 \
         --num-requests 512 --json "$OUT/gemma.json" --markdown "$OUT/gemma.md" | grep -E '^\[|Error' | cut -c1-500
     ;;
 int8dyn)
-    timeout 240 lb bench serve --model llama-3.1-8b --phases check,formats --formats int8_dynamic,w8a8_sq \
+    lb 240 bench serve --model llama-3.1-8b --phases check,formats --formats int8_dynamic,w8a8_sq \
         --deadline-s 60 --num-requests 512 --json "$OUT/int8dyn.json" --markdown "$OUT/int8dyn.md" \
         | grep -E '^\[|Error' | cut -c1-500
     ;;
 moe)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_dummy_qwen3_moe.py -k gpu 2>&1 | tail -8
     timeout 120 python3 dev/bench/moe_kernel.py 2>&1 | tail -30
-    timeout 240 lb bench serve --model qwen3-30b-a3b --phases check,formats --formats bf16,fp8,int4_awq \
+    lb 240 bench serve --model qwen3-30b-a3b --phases check,formats --formats bf16,fp8,int4_awq \
         --deadline-s 60 --num-requests 256 --json "$OUT/moe.json" --markdown "$OUT/moe.md" | grep -E '^\[|Error' | cut -c1-500
     ;;
 esac
