@@ -10,6 +10,11 @@ its own static input scale, q = fp8(clamp(a / a_scale[e], +-448)), as a per-expe
 scale, e.g. the layer's largest, would round and clip differently wherever the experts' scales differ). The GEMM
 dequantizes in its epilogue: acc * a_scale[e] * w_scale[e, n], with one weight scale per output row (a per-tensor
 scale repeated, or gate's and up's when a merged gate/up carries two).
+
+INT4 experts (`int4=Int4Scales(...)`): w13 / w2 are packed uint8 (lowbit.kernels.moe.int4 says how).
+
+Which kernels run is routes' op "moe" (by the number of (token, slot) pairs): the grouped GEMMs above, or at a few
+pairs the per-pair GEMVs of lowbit.kernels.moe.gemv; both feed the same SiLU-and-mul and combine.
 """
 from typing import NamedTuple
 
@@ -18,8 +23,11 @@ import torch.nn.functional as F
 
 from lowbit.formats.numerics import fake_quant_fp8
 
+from lowbit.kernels import routes
 from lowbit.kernels._triton import cdiv, kernel, next_pow2, on_gpu, tl, wait_for_producers
 from lowbit.kernels.moe.align import moe_align
+from lowbit.kernels.moe.gemv import expert_gemv, expert_gemv_int4
+from lowbit.kernels.moe.int4 import Int4Scales, grouped_gemm_int4, int4_linear_ref
 from lowbit.kernels.ops.activation import silu_and_mul_ref
 
 BLOCK_M = 16  # rows of one expert per GEMM tile; an expert's run is padded to it
@@ -37,33 +45,52 @@ class Fp8Scales(NamedTuple):
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, fp8: Fp8Scales | None = None) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x's dtype, or float8_e4m3fn with fp8), topk_ids [T, k] int,
-    topk_weights [T, k] float -> [T, H]."""
+              topk_weights: torch.Tensor, fp8: Fp8Scales | None = None, int4: Int4Scales | None = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x's dtype, float8_e4m3fn with fp8, packed uint8 [E, I, H] /
+    [E, H/2, I] with int4), topk_ids [T, k] int, topk_weights [T, k] float -> [T, H]."""
     if on_gpu(x):
-        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, fp8=fp8)
-    return fused_moe_ref(x, w13, w2, topk_ids, topk_weights, fp8=fp8)
+        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, fp8=fp8, int4=int4)
+    return fused_moe_ref(x, w13, w2, topk_ids, topk_weights, fp8=fp8, int4=int4)
+
+
+def expert_kind(fp8: Fp8Scales | None, int4: Int4Scales | None) -> str:
+    """The experts' weight kind as routes' op "moe" names it."""
+    if fp8 is not None and int4 is not None:
+        raise ValueError("fused_moe: experts are FP8 or INT4, not both")
+    return "fp8" if fp8 is not None else "int4" if int4 is not None else "dense"
+
+
+def _projections(fp8: Fp8Scales | None, int4: Int4Scales | None) -> tuple[tuple, tuple]:
+    """The scale arguments of the gate/up and the down projection, in expert_linear_ref's order."""
+    if fp8 is not None:
+        return (fp8.w13_scale, fp8.a13_scale), (fp8.w2_scale, fp8.a2_scale)
+    if int4 is not None:
+        return (int4.w13_scale, int4.w13_smooth), (int4.w2_scale, int4.w2_smooth)
+    return (None, None), (None, None)
 
 
 def expert_linear_ref(a: torch.Tensor, w: torch.Tensor, e: int, w_scale=None, a_scale=None) -> torch.Tensor:
     """a [M, K] @ w[e]^T in a's dtype; with FP8 scales: fake-quantized a (expert e's input scale) times the
-    dequantized weight, in fp32."""
+    dequantized weight, in fp32; with INT4 (uint8 w): a_scale is the smoothing, moe.int4.int4_linear_ref."""
     if w_scale is None:
         return F.linear(a, w[e])
+    if w.dtype == torch.uint8:
+        return int4_linear_ref(a, w, e, w_scale, a_scale)
     aq = fake_quant_fp8(a, a_scale[e].float())
     return (aq @ (w[e].float() * w_scale[e].float()[:, None]).t()).to(a.dtype)
 
 
-def fused_moe_ref(x, w13, w2, topk_ids, topk_weights, fp8: Fp8Scales | None = None) -> torch.Tensor:
+def fused_moe_ref(x, w13, w2, topk_ids, topk_weights, fp8: Fp8Scales | None = None,
+                  int4: Int4Scales | None = None) -> torch.Tensor:
     """Torch reference: the (token, slot) pairs sorted by expert, one pair of GEMMs per expert that has any, then the
     weighted sum over each token's top_k rows."""
-    s13, s2 = ((None, None), (None, None)) if fp8 is None else ((fp8.w13_scale, fp8.a13_scale),
-                                                               (fp8.w2_scale, fp8.a2_scale))
+    expert_kind(fp8, int4)
+    s13, s2 = _projections(fp8, int4)
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    rows = torch.empty(t * k, w2.shape[1], dtype=x.dtype, device=x.device)  # row i: pair i's expert output
+    rows = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)  # row i: pair i's expert output
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
@@ -82,23 +109,43 @@ def combine_ref(rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     return out.to(rows.dtype)
 
 
-def fused_moe_triton(x, w13, w2, topk_ids, topk_weights, block_m: int = BLOCK_M,
-                     fp8: Fp8Scales | None = None) -> torch.Tensor:
-    """The Triton path (also under the CPU interpreter): align, grouped GEMM (gate/up), SiLU-and-mul, grouped GEMM
-    (down), combine."""
-    s13, s2 = ((None, None), (None, None)) if fp8 is None else ((fp8.w13_scale, fp8.a13_scale),
-                                                               (fp8.w2_scale, fp8.a2_scale))
+def fused_moe_triton(x, w13, w2, topk_ids, topk_weights, block_m: int = BLOCK_M, fp8: Fp8Scales | None = None,
+                     int4: Int4Scales | None = None, path: str | None = None) -> torch.Tensor:
+    """The Triton path (also under the CPU interpreter): gate/up GEMM, SiLU-and-mul, down GEMM, combine. path:
+    "moe_grouped" (align, then grouped GEMMs) or "moe_gemv" (per pair); None: routes' op "moe" decides."""
+    kind = expert_kind(fp8, int4)
     t, k = topk_ids.shape
-    num_experts, two_i, hidden = w13.shape
-    sorted_ids, block_expert = moe_align(topk_ids, num_experts, block_m)
-    gate_up = grouped_gemm(x, w13, sorted_ids, block_expert, t * k, k, block_m, *s13)
+    if path is None:
+        arch = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
+        path = routes.route("moe", kind, t * k, 2 * w2.shape[2], x.shape[1], arch)
+    run = _gemv_projection if path == "moe_gemv" else _grouped_projection(topk_ids, w13.shape[0], block_m)
+    gate_up = run(x, w13, topk_ids, k, kind, *_projections(fp8, int4)[0])
     if x.is_cuda:
         from lowbit.kernels.ops.activation import silu_and_mul
         act = silu_and_mul(gate_up)
     else:  # interpreter tests: the activation kernel has its own
         act = silu_and_mul_ref(gate_up)
-    rows = grouped_gemm(act, w2, sorted_ids, block_expert, t * k, 1, block_m, *s2)
+    rows = run(act, w2, topk_ids, 1, kind, *_projections(fp8, int4)[1])
     return combine(rows, topk_weights)
+
+
+def _gemv_projection(a, w, topk_ids, a_row_div: int, kind: str, s1, s2) -> torch.Tensor:
+    """One projection of every pair by moe.gemv: [T * k, N]."""
+    if kind == "int4":
+        return expert_gemv_int4(a, w, s1, s2, topk_ids, a_row_div)
+    return expert_gemv(a, w, topk_ids, a_row_div, s1, s2)
+
+
+def _grouped_projection(topk_ids, num_experts: int, block_m: int):
+    """The pairs aligned by expert once; -> a function running one projection as a grouped GEMM over them."""
+    sorted_ids, block_expert = moe_align(topk_ids, num_experts, block_m)
+    pairs = topk_ids.numel()
+
+    def run(a, w, _ids, a_row_div: int, kind: str, s1, s2) -> torch.Tensor:
+        if kind == "int4":
+            return grouped_gemm_int4(a, w, s1, s2, sorted_ids, block_expert, pairs, a_row_div, block_m)
+        return grouped_gemm(a, w, sorted_ids, block_expert, pairs, a_row_div, block_m, s1, s2)
+    return run
 
 
 def grouped_gemm(a, w, sorted_ids, block_expert, num_pairs: int, a_row_div: int, block_m: int,
