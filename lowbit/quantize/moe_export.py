@@ -2,8 +2,9 @@
 [E, H, I] under `_QuantFusedExperts`) for block-quantized (INT4) weights, applied for the export call only.
 
 0. An expert that no calibration token reached has uncalibrated weight quantizers, and modelopt's fallback gives a
-   block quantizer one per-tensor amax (the INT4 packing then fails). Such a quantizer is calibrated here on its own
-   expert's weight (max per group): weight-only statistics, as every routed expert's weight scales are too.
+   block or per-channel quantizer one per-tensor amax (the INT4 packing then fails). Such a quantizer is calibrated
+   here on its own expert's weight (max per group or channel): weight-only statistics, as every routed expert's
+   weight scales are too.
 
 1. Its AWQ pre-processing averages each projection's pre_quant_scale over `len(module.experts)` per-expert linears;
    fused experts have no such list (TypeError). Their input quantizer is one per projection, shared by every expert,
@@ -45,11 +46,13 @@ def fused_experts_export(model: nn.Module):
 
 
 def _calibrate_unrouted(experts: nn.Module) -> None:
-    """Block weight quantizers of experts without an amax -> max calibration on that expert's weight slice."""
+    """Block or per-channel weight quantizers of experts without an amax -> max calibration on that expert's weight
+    slice (modelopt's own fallback, one amax of the whole weight, is right only for per-tensor quantizers)."""
     for attr, weights in (("gate_up_proj_weight_quantizers", "gate_up_proj"), ("down_proj_weight_quantizers",
                                                                             "down_proj")):
         for idx, q in enumerate(getattr(experts, attr, [])):
-            if not (q.is_enabled and q.block_sizes) or getattr(q, "_amax", None) is not None:
+            per_tensor = not q.block_sizes and q.axis is None
+            if not q.is_enabled or per_tensor or getattr(q, "_amax", None) is not None:
                 continue
             q.disable_quant()
             q.enable_calib()

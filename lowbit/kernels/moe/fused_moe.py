@@ -9,7 +9,9 @@ FP8 experts (`fp8=Fp8Scales(...)`): w13 / w2 are float8_e4m3fn and every expert 
 its own static input scale, q = fp8(clamp(a / a_scale[e], +-448)), as a per-expert modelopt linear does (a shared
 scale, e.g. the layer's largest, would round and clip differently wherever the experts' scales differ). The GEMM
 dequantizes in its epilogue: acc * a_scale[e] * w_scale[e, n], with one weight scale per output row (a per-tensor
-scale repeated, or gate's and up's when a merged gate/up carries two).
+scale repeated, or gate's and up's when a merged gate/up carries two). Per-token FP8 experts (fp8_dynamic: a13_scale
+and a2_scale None) quantize each input row with its own scale amax(|row|) / 448 (token_scales, computed once per
+projection: an x row's scale is the same for every expert it reaches) and dequantize by it in the epilogue.
 
 INT4 experts (`int4=Int4Scales(...)`): w13 / w2 are packed uint8 (lowbit.kernels.moe.int4 says how).
 
@@ -21,12 +23,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from lowbit.formats.numerics import fake_quant_fp8
+from lowbit.formats.numerics import fake_quant_fp8, fake_quant_fp8_per_token
 
 from lowbit.kernels import routes
 from lowbit.kernels._triton import cdiv, kernel, next_pow2, on_gpu, tl, wait_for_producers
 from lowbit.kernels.moe.align import moe_align
-from lowbit.kernels.moe.gemv import expert_gemv, expert_gemv_int4
+from lowbit.kernels.moe.gemv import expert_gemv, expert_gemv_int4, token_scales
 from lowbit.kernels.moe.int4 import Int4Scales, grouped_gemm_int4, int4_linear_ref
 from lowbit.kernels.ops.activation import silu_and_mul_ref
 
@@ -37,7 +39,8 @@ BLOCK_K = 64
 
 class Fp8Scales(NamedTuple):
     """Scales of FP8 experts, all float32 on the weights' device: w13_scale [E, 2I] and w2_scale [E, H] (one per
-    output row of each expert's weight), a13_scale [E] and a2_scale [E] (each expert's static input scale)."""
+    output row of each expert's weight), a13_scale [E] and a2_scale [E] (each expert's static input scale), or both
+    None: activations quantized per token."""
     w13_scale: torch.Tensor
     a13_scale: torch.Tensor
     w2_scale: torch.Tensor
@@ -76,6 +79,9 @@ def expert_linear_ref(a: torch.Tensor, w: torch.Tensor, e: int, w_scale=None, a_
         return F.linear(a, w[e])
     if w.dtype == torch.uint8:
         return int4_linear_ref(a, w, e, w_scale, a_scale)
+    if a_scale is None:  # per token, in a's dtype as formats.FP8_PER_CHANNEL_PER_TOKEN's reference linear
+        aq = fake_quant_fp8_per_token(a).to(a.dtype).float()
+        return (aq @ (w[e].float() * w_scale[e].float()[:, None]).t()).to(a.dtype)
     aq = fake_quant_fp8(a, a_scale[e].float())
     return (aq @ (w[e].float() * w_scale[e].float()[:, None]).t()).to(a.dtype)
 
@@ -152,13 +158,15 @@ def grouped_gemm(a, w, sorted_ids, block_expert, num_pairs: int, a_row_div: int,
                  w_scale=None, a_scale=None) -> torch.Tensor:
     """out[i] = a[i // a_row_div] @ w[expert of i]^T for every pair i listed in sorted_ids: [num_pairs, N] in a's
     dtype. With w_scale [E, N] and a_scale [E] (fp32), w is float8_e4m3fn and a is quantized per expert in the
-    kernel."""
+    kernel; with w_scale and no a_scale, per token (token_scales)."""
     n, kdim = w.shape[1], w.shape[2]
     if a.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("grouped_gemm: a and w need unit stride along K")
-    fp8 = w_scale is not None
+    fp8, per_token = w_scale is not None, w_scale is not None and a_scale is None
+    if per_token:
+        a_scale = token_scales(a)
     if fp8 and (w.dtype != torch.float8_e4m3fn or tuple(w_scale.shape) != (w.shape[0], n)
-                or tuple(a_scale.shape) != (w.shape[0],)):
+                or (not per_token and tuple(a_scale.shape) != (w.shape[0],))):
         raise ValueError(f"grouped_gemm: FP8 needs float8_e4m3fn w [E, N, K] with w_scale [E, N] and a_scale [E]; "
                          f"got {w.dtype} {tuple(w.shape)}, {tuple(w_scale.shape)}, {tuple(a_scale.shape)}")
     if fp8:
@@ -169,7 +177,8 @@ def grouped_gemm(a, w, sorted_ids, block_expert, num_pairs: int, a_row_div: int,
     grid = (block_expert.numel(), cdiv(n, BLOCK_N))
     _grouped_gemm_kernel[grid](a, w, out, sorted_ids, block_expert, w_scale, a_scale, num_pairs, n, kdim, a.stride(0),
                                w.stride(0), w.stride(1), out.stride(0), A_ROW_DIV=a_row_div,
-                               IEEE=a.dtype == torch.float32 and not fp8, FP8=fp8, BLOCK_M=block_m,
+                               IEEE=a.dtype == torch.float32 and not fp8, FP8=fp8, PER_TOKEN=per_token,
+                               BLOCK_M=block_m,
                                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     return out
 
@@ -177,8 +186,8 @@ def grouped_gemm(a, w, sorted_ids, block_expert, num_pairs: int, a_row_div: int,
 @kernel
 def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, w_scale_ptr, a_scale_ptr, num_pairs, N, K,
                          stride_am, stride_we, stride_wn, stride_om, A_ROW_DIV: tl.constexpr, IEEE: tl.constexpr,
-                         FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr):
+                         FP8: tl.constexpr, PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One program: BLOCK_M sorted rows (all of one expert, or padding) x BLOCK_N output columns."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -192,7 +201,9 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, w_
     col_ok = cols < N
     w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if FP8:
+    if PER_TOKEN:  # [BLOCK_M, 1]: each row's own scale (a_scale_ptr: one per row of a)
+        a_scale = tl.load(a_scale_ptr + a_rows, mask=row_ok, other=1.0)[:, None]
+    elif FP8:
         a_scale = tl.load(a_scale_ptr + expert)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -200,7 +211,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, w_
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         b = tl.load(w_base + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        if FP8:  # this expert's static input scale; padding rows and columns past K are 0
+        if FP8:  # this expert's static input scale (or each row's); padding rows and columns past K are 0
             a = tl.minimum(tl.maximum(a.to(tl.float32) / a_scale, -448.0), 448.0).to(tl.float8e4nv)
             acc = tl.dot(a, b, acc)
         elif IEEE:  # fp32 operands: full precision, not TF32

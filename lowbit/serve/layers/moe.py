@@ -42,18 +42,18 @@ class MoeExperts(nn.Module):
         self.w2 = w2.to(device, dtype).contiguous()
 
     def load_quantized(self, fmt: formats.Format, experts: list, device, where: str) -> None:
-        """experts[e] = (gate, up, down) checkpoint tensors ({suffix: tensor}) of format fmt: static per-tensor FP8
-        or W4A16 INT4 (AWQ / RTN, no zero point). gate and up merge by the format's rule (a shared input scale or
+        """experts[e] = (gate, up, down) checkpoint tensors ({suffix: tensor}) of format fmt: static per-tensor FP8,
+        FP8 with per-token activations (per-channel weights), or W4A16 INT4 (AWQ / RTN, no zero point). gate and up merge by the format's rule (a shared input scale or
         pre_quant_scale); each expert keeps its own scales. where: the experts' checkpoint name, for errors."""
         if len(experts) != self.num_experts:
             raise ValueError(f"{where}: {len(experts)} experts; expected {self.num_experts}")
-        if fmt.kernel == "fp8" and fmt.activation == formats.ACT_STATIC:
+        if fmt.kernel == "fp8" and fmt.activation in (formats.ACT_STATIC, formats.ACT_PER_TOKEN):
             self._load_fp8(fmt, experts, device, where)
         elif fmt.kernel == "int4" and fmt.activation == formats.ACT_NONE:
             self._load_int4(fmt, experts, device, where)
         else:
-            raise ValueError(f"{where}: {fmt.name} experts are not supported (static per-tensor FP8 and W4A16 "
-                             f"INT4 experts are)")
+            raise ValueError(f"{where}: {fmt.name} experts are not supported (FP8 with static or per-token "
+                             f"activations and W4A16 INT4 experts are)")
 
     def _merged(self, fmt, experts: list, where: str, allowed: set, packed_rows: int = 1) -> list:
         """Per expert (merged gate/up, down) tensors, checked: only `allowed` suffixes, weights of the expected
@@ -75,17 +75,21 @@ class MoeExperts(nn.Module):
         return out
 
     def _load_fp8(self, fmt, experts: list, device, where: str) -> None:
+        """Per-token formats keep no input scales (an input_scale on disk is ignored, as for dense layers)."""
         h, i = self.hidden, self.intermediate
+        per_token = fmt.activation == formats.ACT_PER_TOKEN
         w13, w2, s13, a13, s2, a2 = [], [], [], [], [], []
         for merged, down in self._merged(fmt, experts, where, {"weight", "weight_scale", "input_scale"}):
             w13.append(merged["weight"].to(device))
             w2.append(down["weight"].to(device))
             s13.append(_row_scales(merged["weight_scale"], 2 * i).to(device))
             s2.append(_row_scales(down["weight_scale"], h).to(device))
-            a13.append(merged["input_scale"].float().reshape(()).to(device))
-            a2.append(down["input_scale"].float().reshape(()).to(device))
+            if not per_token:
+                a13.append(merged["input_scale"].float().reshape(()).to(device))
+                a2.append(down["input_scale"].float().reshape(()).to(device))
         self.w13, self.w2 = torch.stack(w13).contiguous(), torch.stack(w2).contiguous()
-        self.fp8 = kernels.Fp8Scales(torch.stack(s13), torch.stack(a13), torch.stack(s2), torch.stack(a2))
+        stack = (lambda t: None) if per_token else torch.stack
+        self.fp8 = kernels.Fp8Scales(torch.stack(s13), stack(a13), torch.stack(s2), stack(a2))
 
     def _load_int4(self, fmt, experts: list, device, where: str) -> None:
         """Packed uint8 rows kept as on disk (two output rows per byte); fp32 group scales; pre_quant_scale, or
