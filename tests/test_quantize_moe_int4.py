@@ -29,9 +29,10 @@ torch.set_num_threads(1)
 GROUP = 128  # the recipe's; the experts' in-features (128) are one group
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """(checkpoint, the float source, held-out tokens, modelopt's fake-quant logits on them)."""
+def calibrate_and_export(tmp_path_factory, recipe_name: str):
+    """A tiny Qwen3-MoE (hidden and moe_intermediate 128) calibrated with one expert unrouted and exported by
+    `recipe_name` with attention left 16-bit -> (checkpoint, the float source, held-out tokens, modelopt's
+    fake-quant logits on them)."""
     torch.manual_seed(0)
     src = tmp_path_factory.mktemp("qwen3_moe")
     cfg = Qwen3MoeConfig(vocab_size=49152, hidden_size=128, intermediate_size=96, moe_intermediate_size=128,
@@ -43,7 +44,7 @@ def exported(tmp_path_factory):
         shutil.copy(f, src / f.name)
     # attention left 16-bit: modelopt's export re-smooths AWQ q/k/v to one averaged pre_quant_scale and re-quantizes
     # them, so its fake-quant model and its checkpoint differ there by design; the experts are what is compared
-    recipe = dataclasses.replace(with_calibration(load_recipe("int4_awq"), num_samples=4, seq_len=64),
+    recipe = dataclasses.replace(with_calibration(load_recipe(recipe_name), num_samples=4, seq_len=64),
                                  exclude=("lm_head", "*self_attn*"))
     model, tok = load_float_model(src)
     for layer in model.model.layers:
@@ -52,9 +53,14 @@ def exported(tmp_path_factory):
     calibrate(model, recipe, token_batches(tok, load_texts(recipe.calibration.data), 4, 64, seed=0))
     with torch.no_grad():
         fake_quant_logits = model(torch.tensor(heldout)).logits
-    out = tmp_path_factory.mktemp("ckpt") / "qwen3_moe-int4_awq"
+    out = tmp_path_factory.mktemp("ckpt") / f"qwen3_moe-{recipe_name}"
     export(model, tok, recipe, out, source="qwen3_moe")
     return out, src, heldout, fake_quant_logits
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    return calibrate_and_export(tmp_path_factory, "int4_awq")
 
 
 def test_every_expert_exported_as_int4_with_valid_scales(exported):
@@ -76,6 +82,10 @@ def test_every_expert_exported_as_int4_with_valid_scales(exported):
 
 
 def test_reader_matches_modelopt_fake_quant(exported):
+    check_reader(exported)
+
+
+def check_reader(exported):
     out, _, heldout, fake_quant_logits = exported
     model, _ = load_reference_model(out)
     for layer in model.model.layers:  # as modelopt's model ran (the unrouted expert's weights are checked above)
