@@ -1,6 +1,6 @@
 """fp8_dynamic (FP8 per-channel weights, per-token activations) calibration and export of a tiny Qwen3-MoE whose
 calibration routes no token to one expert: every expert linear exported per expert with one finite, positive weight
-scale per output channel (the unrouted expert's from its own weight, lowbit.quantize.moe_export), no input scales;
+scale per output channel (the unrouted expert's from its own weight: modelopt's max calibration), no input scales;
 lowbit's reader against modelopt's fake-quant model; the engine against the reader."""
 import pytest
 import torch

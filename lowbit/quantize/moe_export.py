@@ -1,10 +1,10 @@
 """Three repairs to modelopt 0.47's export of transformers' fused experts (`gate_up_proj` [E, 2I, H] / `down_proj`
 [E, H, I] under `_QuantFusedExperts`) for block-quantized (INT4) weights, applied for the export call only.
 
-0. An expert that no calibration token reached has uncalibrated weight quantizers, and modelopt's fallback gives a
-   block or per-channel quantizer one per-tensor amax (the INT4 packing then fails). Such a quantizer is calibrated
-   here on its own expert's weight (max per group or channel): weight-only statistics, as every routed expert's
-   weight scales are too.
+0. Under AWQ an expert that no calibration token reached keeps uncalibrated weight quantizers (max calibration
+   calibrates every expert's weights itself), and modelopt's fallback gives a block quantizer one per-tensor amax
+   (the INT4 packing then fails). Such a quantizer (block or per channel) is calibrated here on its own expert's
+   weight (max per group or channel): weight-only statistics, as every routed expert's weight scales are too.
 
 1. Its AWQ pre-processing averages each projection's pre_quant_scale over `len(module.experts)` per-expert linears;
    fused experts have no such list (TypeError). Their input quantizer is one per projection, shared by every expert,
