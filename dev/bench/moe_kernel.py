@@ -1,8 +1,9 @@
 """Fused MoE (lowbit.kernels.moe) against a per-expert loop of lowbit's own linear kernels at Qwen3-30B-A3B's expert
 shapes (hidden 2048, moe_intermediate 768, 128 experts, top-8), for every expert format: bf16, fp8 (per-tensor
-weight scales, each expert its own input scale) and int4 (W4A16 AWQ, group 128, each expert its own pre_quant_scale).
+weight scales, each expert its own input scale), fp8_pt (per-channel weight scales, per-token activations:
+fp8_dynamic) and int4 (W4A16 AWQ, group 128, each expert its own pre_quant_scale).
 
-    python3 dev/bench/moe_kernel.py [--formats bf16 fp8 int4] [--batches 1 2 4 8 16 64 256] [--iters 50]
+    python3 dev/bench/moe_kernel.py [--formats bf16 fp8 fp8_pt int4] [--batches 1 2 4 8 16 64 256] [--iters 50]
 
 Each (format, batch): the fused kernels first checked against fused_moe_ref (max error relative to the largest
 output), then timed three ways: as routed (routes' op "moe" picks the GEMV or the grouped GEMM), both paths forced,
@@ -23,8 +24,9 @@ from lowbit.kernels.ops.activation import silu_and_mul
 
 HIDDEN, INTER, EXPERTS, TOP_K, GROUP = 2048, 768, 128, 8, 128
 REL_TOL = 2e-2  # bf16: each GEMM and the activation round to bf16 once; relative to the output's largest magnitude
-ALGO = {"bf16": None, "fp8": formats.FP8.name, "int4": formats.W4A16_AWQ.name}
-BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0, "int4": 0.5 + 4 / GROUP}  # int4: nibble + an fp32 scale per group
+ALGO = {"bf16": None, "fp8": formats.FP8.name, "fp8_pt": formats.FP8_PER_CHANNEL_PER_TOKEN.name,
+        "int4": formats.W4A16_AWQ.name}
+BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0, "fp8_pt": 1.0, "int4": 0.5 + 4 / GROUP}  # int4: nibble + an fp32 scale per group
 
 
 def expert_tensors(fmt: str, gen: torch.Generator) -> list:
@@ -50,6 +52,9 @@ def stacked(fmt: str, tensors: list):
     """(w13, w2, fp8, int4) as fused_moe takes them."""
     w13 = torch.stack([a["weight"] for a, _ in tensors])
     w2 = torch.stack([b["weight"] for _, b in tensors])
+    if fmt == "fp8_pt":
+        return w13, w2, Fp8Scales(torch.stack([a["weight_scale"].float() for a, _ in tensors]), None,
+                                  torch.stack([b["weight_scale"].float() for _, b in tensors]), None), None
     if fmt == "fp8":
         rows = lambda t, n: t["weight_scale"].float().reshape(-1).expand(n)  # noqa: E731
         return w13, w2, Fp8Scales(torch.stack([rows(a, 2 * INTER) for a, _ in tensors]),
@@ -110,7 +115,8 @@ def run_format(fmt: str, args, gen) -> None:
         errs = {p: ((fused(p).float() - ref).abs().max() / ref.abs().max()).item() for p in ("moe_gemv", "moe_grouped")}
         if not max(errs.values()) <= REL_TOL:
             raise SystemExit(f"{fmt} batch {t}: fused vs reference max error {errs} > {REL_TOL}")
-        picked = routes.route("moe", "dense" if fmt == "bf16" else fmt, t * TOP_K, 2 * INTER, HIDDEN,
+        kind = {"bf16": "dense", "fp8_pt": "fp8"}.get(fmt, fmt)
+        picked = routes.route("moe", kind, t * TOP_K, 2 * INTER, HIDDEN,
                               torch.cuda.get_device_capability())
         us = {p: time_us(lambda: fused(p), args.iters) for p in ("moe_gemv", "moe_grouped")}
         loop = time_us(lambda: per_expert_loop(x, ids, weights, prepared), args.iters)
@@ -123,7 +129,7 @@ def run_format(fmt: str, args, gen) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8", "int4"], choices=sorted(ALGO))
+    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8", "fp8_pt", "int4"], choices=sorted(ALGO))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args()
