@@ -212,7 +212,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, w_
                     other=0.0)
         b = tl.load(w_base + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if FP8:  # this expert's static input scale (or each row's); padding rows and columns past K are 0
-            a = tl.minimum(tl.maximum(a.to(tl.float32) / a_scale, -448.0), 448.0).to(tl.float8e4nv)
+            a = tl.minimum(tl.maximum(tl.div_rn(a.to(tl.float32), a_scale), -448.0), 448.0).to(tl.float8e4nv)
             acc = tl.dot(a, b, acc)
         elif IEEE:  # fp32 operands: full precision, not TF32
             acc = tl.dot(a, b, acc, input_precision="ieee")

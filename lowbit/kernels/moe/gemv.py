@@ -74,7 +74,7 @@ def _gemv_kernel(a_ptr, w_ptr, ids_ptr, out_ptr, w_scale_ptr, a_scale_ptr, N, K,
         k_ok = ks < K
         a = tl.load(a_row + ks, mask=k_ok, other=0.0).to(tl.float32)
         if FP8:  # the expert's static input scale (or the row's), as the grouped GEMM
-            a = tl.minimum(tl.maximum(a / a_scale, -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
+            a = tl.minimum(tl.maximum(tl.div_rn(a, a_scale), -448.0), 448.0).to(tl.float8e4nv).to(tl.float32)
         b = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(b * a[None, :], axis=1)
     if FP8:
