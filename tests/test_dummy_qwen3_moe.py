@@ -19,7 +19,7 @@ def test_preset_is_qwen3_30b_a3b():
         (2048, 48, 128, 8, 768, 32, 4, 151936)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4_awq"])
 def test_preset_names_and_shapes_fit_the_served_model(fmt):
     ckpt = dummy_checkpoint(fmt, QWEN3_30B_A3B, device="cpu")
     with torch.device("meta"):
@@ -68,8 +68,27 @@ def test_tiny_fp8_dummy_serves_on_cpu():
     assert together[1] == greedy(engine, prompts[1:2], 4)[0] and all(len(t) == 4 for t in together)
 
 
+def test_tiny_int4_dummy_serves_on_cpu():
+    """INT4 experts from the dummy checkpoint (group 128: hidden and moe_intermediate of 128) load packed, without
+    pre_quant_scale (ones), and a request served alone gives the tokens it gives in a batch."""
+    from lowbit.serve.engine.config import EngineConfig
+    from lowbit.serve.engine.engine import Engine
+    from lowbit.bench.serve_bench import DummyTokenizer, greedy
+
+    tiny = dict(TINY_MOE, hidden_size=128, intermediate_size=128, moe_intermediate_size=128)
+    ckpt = dummy_checkpoint("int4_awq", tiny, device="cpu", std=0.2)
+    engine = Engine(ckpt.path, EngineConfig(max_batch_size=4, max_num_tokens=64, device="cpu", dtype="float32",
+                                            num_kv_blocks=64), ckpt=ckpt, tokenizer=DummyTokenizer())
+    experts = engine.runner.model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == torch.uint8 and tuple(experts.w13.shape) == (4, 128, 128)
+    assert experts.int4.w13_scale.shape == (4, 256, 1) and bool((experts.int4.w2_smooth == 1).all())
+    prompts = [[(5 * i + n) % 250 + 3 for i in range(n)] for n in (3, 21, 40)]
+    together = greedy(engine, prompts, 4)
+    assert together[1] == greedy(engine, prompts[1:2], 4)[0] and all(len(t) == 4 for t in together)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4_awq"])
 def test_qwen3_moe_kernels_and_graphs_match_reference_path_on_gpu(fmt):
     from lowbit.bench import serve_bench as bench
 

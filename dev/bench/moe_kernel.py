@@ -1,12 +1,15 @@
-"""Fused MoE (lowbit.kernels.fused_moe) against a per-expert loop of dense GEMMs at Qwen3-30B-A3B's expert shapes
-(hidden 2048, moe_intermediate 768, 128 experts, top-8), bf16 or FP8 experts (--fp8: per-tensor weight scales, each
-expert its own input scale), after checking the kernel against its reference. With --fp8 the "per-expert loop" is
-the torch reference (each expert's weights dequantized to fp32 per call), not a loop of FP8 GEMMs.
+"""Fused MoE (lowbit.kernels.moe) against a per-expert loop of lowbit's own linear kernels at Qwen3-30B-A3B's expert
+shapes (hidden 2048, moe_intermediate 768, 128 experts, top-8), for every expert format: bf16, fp8 (per-tensor
+weight scales, each expert its own input scale), fp8_pt (per-channel weight scales, per-token activations:
+fp8_dynamic) and int4 (W4A16 AWQ, group 128, each expert its own pre_quant_scale).
 
-    python3 dev/bench/moe_kernel.py [--batches 1 16 64 256] [--iters 50] [--fp8]
+    python3 dev/bench/moe_kernel.py [--formats bf16 fp8 fp8_pt int4] [--batches 1 2 4 8 16 64 256] [--iters 50]
 
-Prints one line per batch: microseconds per MoE layer for both, the speed-up, and the weight bytes the batch's
-routed experts read over the fused time (GB/s). Random uniform routing; needs a CUDA GPU with Triton.
+Each (format, batch): the fused kernels first checked against fused_moe_ref (max error relative to the largest
+output), then timed three ways: as routed (routes' op "moe" picks the GEMV or the grouped GEMM), both paths forced,
+and the loop (pairs sorted by expert on the host, then per active expert kernels.linear on its prepared gate/up and
+down, SiLU-and-mul, the combine). Prints microseconds per MoE layer, the loop / routed speed-up and the routed run's
+GB/s of the routed experts' weight bytes. Random uniform routing; needs a CUDA GPU with Triton.
 """
 import argparse
 import datetime
@@ -14,32 +17,72 @@ import time
 
 import torch
 
-from lowbit.kernels.moe.fused_moe import Fp8Scales, fused_moe_ref, fused_moe_triton
+from lowbit import formats, kernels
+from lowbit.kernels import routes, tuning
+from lowbit.kernels.moe.fused_moe import Fp8Scales, Int4Scales, combine, fused_moe_ref, fused_moe_triton
+from lowbit.kernels.ops.activation import silu_and_mul
 
-HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
+HIDDEN, INTER, EXPERTS, TOP_K, GROUP = 2048, 768, 128, 8, 128
 REL_TOL = 2e-2  # bf16: each GEMM and the activation round to bf16 once; relative to the output's largest magnitude
+ALGO = {"bf16": None, "fp8": formats.FP8.name, "fp8_pt": formats.FP8_PER_CHANNEL_PER_TOKEN.name,
+        "int4": formats.W4A16_AWQ.name}
+BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0, "fp8_pt": 1.0, "int4": 0.5 + 4 / GROUP}  # int4: nibble + an fp32 scale per group
 
 
-def problem(t: int, gen: torch.Generator):
-    dev, dt = "cuda", torch.bfloat16
-    x = torch.randn(t, HIDDEN, device=dev, generator=gen).to(dt)
-    w13 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=dev, generator=gen) / HIDDEN ** 0.5).to(dt)
-    w2 = (torch.randn(EXPERTS, HIDDEN, INTER, device=dev, generator=gen) / INTER ** 0.5).to(dt)
-    logits = torch.randn(t, EXPERTS, device=dev, generator=gen)
-    weights, ids = torch.topk(torch.softmax(logits, -1), TOP_K, -1)
-    return x, w13, w2, ids, weights / weights.sum(-1, keepdim=True)
+def expert_tensors(fmt: str, gen: torch.Generator) -> list:
+    """Per expert, on-disk tensors of (merged gate/up, down) in format fmt, quantized on the GPU from random weights;
+    per-expert input scales (fp8) and pre_quant_scales (int4) that differ from expert to expert."""
+    out = []
+    for e in range(EXPERTS):
+        w13 = torch.randn(2 * INTER, HIDDEN, device="cuda", generator=gen) / HIDDEN ** 0.5
+        w2 = torch.randn(HIDDEN, INTER, device="cuda", generator=gen) / INTER ** 0.5
+        if fmt == "bf16":
+            out.append(({"weight": w13.bfloat16()}, {"weight": w2.bfloat16()}))
+            continue
+        f = formats.get(ALGO[fmt])
+        spread = e / (EXPERTS - 1)
+        smooth13 = 0.5 + torch.rand(HIDDEN, device="cuda", generator=gen) if fmt == "int4" else None
+        smooth2 = 0.5 + torch.rand(INTER, device="cuda", generator=gen) if fmt == "int4" else None
+        out.append((f.quantize(w13, group=GROUP, smooth=smooth13, x_amax=2 + 4 * spread),
+                    f.quantize(w2, group=GROUP, smooth=smooth2, x_amax=0.5 + spread)))
+    return out
 
 
-def to_fp8(w13, w2, gen):
-    """bf16 experts -> float8_e4m3fn with one weight scale per expert and projection (amax / 448), and input scales
-    that differ by expert (amax 2..6 for x, 0.5..1.5 for the activation), as Fp8Scales."""
-    def q(w):
-        s = w.float().abs().amax(dim=(1, 2)) / 448
-        return (w.float() / s[:, None, None]).to(torch.float8_e4m3fn), s[:, None].expand(-1, w.shape[1]).contiguous()
+def stacked(fmt: str, tensors: list):
+    """(w13, w2, fp8, int4) as fused_moe takes them."""
+    w13 = torch.stack([a["weight"] for a, _ in tensors])
+    w2 = torch.stack([b["weight"] for _, b in tensors])
+    if fmt == "fp8_pt":
+        return w13, w2, Fp8Scales(torch.stack([a["weight_scale"].float() for a, _ in tensors]), None,
+                                  torch.stack([b["weight_scale"].float() for _, b in tensors]), None), None
+    if fmt == "fp8":
+        rows = lambda t, n: t["weight_scale"].float().reshape(-1).expand(n)  # noqa: E731
+        return w13, w2, Fp8Scales(torch.stack([rows(a, 2 * INTER) for a, _ in tensors]),
+                                  torch.stack([a["input_scale"].float().reshape(()) for a, _ in tensors]),
+                                  torch.stack([rows(b, HIDDEN) for _, b in tensors]),
+                                  torch.stack([b["input_scale"].float().reshape(()) for _, b in tensors])), None
+    if fmt == "int4":
+        return w13, w2, None, Int4Scales(*(torch.stack([t[i][key].float() for t in tensors])
+                                           for i, key in ((0, "weight_scale"), (0, "pre_quant_scale"),
+                                                          (1, "weight_scale"), (1, "pre_quant_scale"))))
+    return w13, w2, None, None
 
-    (q13, s13), (q2, s2) = q(w13), q(w2)
-    spread = torch.rand(EXPERTS, device="cuda", generator=gen)
-    return q13, q2, Fp8Scales(s13, (2 + 4 * spread) / 448, s2, (0.5 + spread) / 448)
+
+def per_expert_loop(x, ids, weights, prepared):
+    """The pairs sorted by expert (one host sync), each active expert's two linears on lowbit's own kernels."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=EXPERTS).tolist()
+    rows = torch.empty(flat.numel(), HIDDEN, dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            pairs = order[start:start + n]
+            p13, p2 = prepared[e]
+            rows[pairs] = kernels.linear(silu_and_mul(kernels.linear(x[pairs // k], p13)), p2)
+            start += n
+    return combine(rows, weights)
 
 
 def time_us(fn, iters: int) -> float:
@@ -57,30 +100,45 @@ def time_us(fn, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def run_format(fmt: str, args, gen) -> None:
+    tensors = expert_tensors(fmt, gen)
+    w13, w2, fp8, int4 = stacked(fmt, tensors)
+    algo = ALGO[fmt] or formats.BF16.name
+    prepared = [(kernels.prepare_linear(algo, a, "cuda"), kernels.prepare_linear(algo, b, "cuda")) for a, b in tensors]
+    del tensors
+    for t in args.batches:
+        x = torch.randn(t, HIDDEN, device="cuda", generator=gen).bfloat16()
+        weights, ids = torch.topk(torch.softmax(torch.randn(t, EXPERTS, device="cuda", generator=gen), -1), TOP_K, -1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        fused = lambda path=None: fused_moe_triton(x, w13, w2, ids, weights, fp8=fp8, int4=int4, path=path)  # noqa
+        ref = fused_moe_ref(x, w13, w2, ids, weights, fp8=fp8, int4=int4).float()
+        errs = {p: ((fused(p).float() - ref).abs().max() / ref.abs().max()).item() for p in ("moe_gemv", "moe_grouped")}
+        if not max(errs.values()) <= REL_TOL:
+            raise SystemExit(f"{fmt} batch {t}: fused vs reference max error {errs} > {REL_TOL}")
+        kind = {"bf16": "dense", "fp8_pt": "fp8"}.get(fmt, fmt)
+        picked = routes.route("moe", kind, t * TOP_K, 2 * INTER, HIDDEN,
+                              torch.cuda.get_device_capability())
+        us = {p: time_us(lambda: fused(p), args.iters) for p in ("moe_gemv", "moe_grouped")}
+        loop = time_us(lambda: per_expert_loop(x, ids, weights, prepared), args.iters)
+        active = torch.unique(ids).numel()
+        gbs = active * 3 * INTER * HIDDEN * BYTES_PER_WEIGHT[fmt] / (us[picked] * 1e-6) / 1e9
+        print(f"{fmt:4s} batch {t:4d}: routed {picked:11s} {us[picked]:8.1f} us | gemv {us['moe_gemv']:8.1f} "
+              f"grouped {us['moe_grouped']:8.1f} | loop {loop:8.1f} us  x{loop / us[picked]:5.2f}  "
+              f"({active} experts, {gbs:6.1f} GB/s)  max rel err {max(errs.values()):.1e}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8", "fp8_pt", "int4"], choices=sorted(ALGO))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--fp8", action="store_true", help="FP8 experts (per-tensor scales, per-expert input scales)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"# {torch.cuda.get_device_name()} {datetime.date.today()} torch {torch.__version__}; "
-          f"H={HIDDEN} I={INTER} E={EXPERTS} top-{TOP_K} {'fp8' if args.fp8 else 'bf16'} experts")
-    for t in args.batches:
-        x, w13, w2, ids, weights = problem(t, gen)
-        fp8 = None
-        if args.fp8:
-            w13, w2, fp8 = to_fp8(w13, w2, gen)
-        out, ref = fused_moe_triton(x, w13, w2, ids, weights, fp8=fp8), fused_moe_ref(x, w13, w2, ids, weights, fp8=fp8)
-        err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        if not err <= REL_TOL:
-            raise SystemExit(f"batch {t}: fused vs reference max error {err:.3g} of the largest output > {REL_TOL}")
-        fused = time_us(lambda: fused_moe_triton(x, w13, w2, ids, weights, fp8=fp8), args.iters)
-        loop = time_us(lambda: fused_moe_ref(x, w13, w2, ids, weights, fp8=fp8), args.iters)
-        active = torch.unique(ids).numel()
-        gbs = active * 3 * INTER * HIDDEN * w13.element_size() / (fused * 1e-6) / 1e9
-        print(f"batch {t:4d}: fused {fused:9.1f} us  per-expert loop {loop:9.1f} us  x{loop / fused:5.2f}  "
-              f"({active} experts, {gbs:7.1f} GB/s of expert weights)  max rel err {err:.2e}")
+          f"H={HIDDEN} I={INTER} E={EXPERTS} top-{TOP_K}; moe_gemv up to "
+          f"{tuning.current().moe_gemv_max_pairs} pairs")
+    for fmt in args.formats:
+        run_format(fmt, args, gen)
 
 
 if __name__ == "__main__":

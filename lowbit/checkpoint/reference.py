@@ -9,7 +9,7 @@ from torch import nn
 
 from lowbit import formats
 from lowbit.checkpoint.io import read
-from lowbit.checkpoint.reference_moe import swap_quantized_experts
+from lowbit.checkpoint.reference_moe import module_keys, swap_quantized_experts
 
 KV_ATTENTION = "lowbit_quant_kv"
 
@@ -82,7 +82,7 @@ def load_reference_model(path, dtype=torch.float32):
     tensors = ckpt.tensors()
     _swap_quantized_linears(model, ckpt, tensors)
     swap_quantized_experts(model, ckpt, tensors, lambda name: _reference_linear(ckpt, tensors, name))
-    floats = {k: v.to(dtype) for k, v in tensors.items() if not _is_quant_tensor(k, model)}
+    floats = {k: tensors[c].to(dtype) for k, c in module_keys(model, tensors) if not _is_quant_tensor(k, model)}
     model.load_state_dict(floats, strict=False, assign=True)
     model.tie_weights()
     _rebuild_rotary(model)

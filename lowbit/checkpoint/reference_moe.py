@@ -30,6 +30,29 @@ class ReferenceQuantExperts(nn.Module):
 
 
 PART_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # Qwen3-MoE / Mixtral checkpoints
+# Mixtral checkpoints name the MoE block `block_sparse_moe`; transformers 5's module is `mlp` (its loader renames)
+CHECKPOINT_BLOCK_NAMES = {".mlp.": ".block_sparse_moe."}
+
+
+def checkpoint_names(module_name: str) -> list[str]:
+    """The names a module's tensors may have in a checkpoint: its own, then the MoE block's older names."""
+    return [module_name] + [module_name.replace(new, old) for new, old in CHECKPOINT_BLOCK_NAMES.items()
+                            if new in module_name]
+
+
+def module_keys(model: nn.Module, tensors) -> list[tuple[str, str]]:
+    """(the model's key, the checkpoint's key) of every checkpoint tensor: keys under an older MoE block name are
+    renamed where the model has no module of that name."""
+    modules = {name for name, _ in model.named_modules()}
+    pairs = []
+    for key in tensors.keys():
+        own = key
+        for new, old in CHECKPOINT_BLOCK_NAMES.items():
+            renamed = key.replace(old, new)
+            if old in key and key.rpartition(".")[0] not in modules and renamed.rpartition(".")[0] in modules:
+                own = renamed
+        pairs.append((own, key))
+    return pairs
 
 
 def swap_quantized_experts(model: nn.Module, ckpt, tensors: dict, make_linear) -> None:
@@ -38,14 +61,15 @@ def swap_quantized_experts(model: nn.Module, ckpt, tensors: dict, make_linear) -
     for name, module in list(model.named_modules()):
         if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "num_experts")):
             continue
-        parts = next((p for p in PART_NAMES if f"{name}.0.{p[0]}.weight_scale" in tensors), None)
-        if parts is None:
+        found = [(c, p) for c in checkpoint_names(name) for p in PART_NAMES if f"{c}.0.{p[0]}.weight_scale" in tensors]
+        if not found:
             continue
+        ckpt_name, parts = found[0]
         experts = []
         for e in range(module.num_experts):
             expert = nn.Module()
             for part in parts:
-                expert.add_module(part, make_linear(f"{name}.{e}.{part}"))
+                expert.add_module(part, make_linear(f"{ckpt_name}.{e}.{part}"))
             experts.append(expert)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, ReferenceQuantExperts(experts, parts, module.act_fn))

@@ -7,6 +7,9 @@ None when no GPU runs the kernels: the CPU, Triton's interpreter), and per kind:
 - scale (fp8 / int8): "per_tensor" (one x scale, one weight scale), "per_row" (one x scale, one per weight row),
   "per_token" (one x scale per row, M > 1), as lowbit.kernels.linear.w8a8.scale_kind reads the scale tensors;
 - group (int4): the quantization group along K; x16: x is bf16 / fp16 (dense: and the weight has x's dtype).
+Op "moe" (lowbit.kernels.moe.fused_moe) picks how a MoE layer's experts run: the case's kind is the experts'
+("dense", "fp8" per-tensor, "int4"), m the number of (token, expert) pairs (tokens x top_k), n and k the gate/up
+projection's (2 x intermediate, hidden); its kernels run both projections.
 Routes are decided from these numbers alone (no GPU needed). The int4 / nvfp4 rows are asked only where the
 kernels run (w4a16.w4a16_gemm runs the reference otherwise), so they do not test arch.
 """
@@ -106,7 +109,14 @@ ZERO_POINT = (
     Row(("int4",), lambda c, t: c.m <= ZP_ADD_ROWS, "zp_add"),  # one Triton launch, in place
     Row(("int4",), lambda c, t: True, "zp_addmm"),  # torch group sums + fp32 addmm
 )
-TABLES = {"linear": LINEAR, "zero_point": ZERO_POINT}
+MOE_KINDS = ("dense", "fp8", "int4")
+# how a MoE layer's experts run (lowbit.kernels.moe): a few pairs (decode) one program per pair and N tile, reading
+# the weight rows of its expert with no row padding; more, the pairs sorted by expert into row blocks of grouped GEMMs
+MOE = (
+    Row(MOE_KINDS, lambda c, t: c.m <= t.moe_gemv_max_pairs, "moe_gemv"),
+    Row(MOE_KINDS, lambda c, t: True, "moe_grouped"),
+)
+TABLES = {"linear": LINEAR, "zero_point": ZERO_POINT, "moe": MOE}
 
 # the kernels each family's tensor-core entry point may take (w8a8.tensor_core_linear, w4a16.tensor_core_gemm)
 W8A8_TENSOR_CORE = ("int8_small_m", "fp8_small_m", "scaled_mm", "scaled_mm_then_scale", "scaled_mm_rowwise",

@@ -12,6 +12,7 @@ from lowbit import __version__
 from lowbit.checkpoint import RECIPE_FILE, write_atomically
 from lowbit.checkpoint.io import write_manifest
 from lowbit.errors import UserError
+from lowbit.quantize.moe_export import fused_experts_export
 from lowbit.recipe import Recipe
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # as HF transformers 4.x: larger checkpoints are split into shards of at most this
@@ -44,7 +45,8 @@ def export(model, tokenizer, recipe: Recipe, out: Path, source: str, force: bool
             model.config.architectures = [type(model).__name__]
         if export_format == "compressed-tensors":
             _share_o_proj_smoothing(model)
-        with redirect_stdout(io.StringIO()):  # modelopt prints its config; keep stdout for the summary
+        # modelopt prints its config: keep stdout for the summary
+        with redirect_stdout(io.StringIO()), fused_experts_export(model):
             export_hf_checkpoint(model, export_dir=str(tmp), max_shard_size=shard_size)
         if export_format == "compressed-tensors":
             from lowbit.checkpoint.interop.export_compressed_tensors import rewrite

@@ -1,1 +1,2 @@
-"""Mixture-of-experts kernels: tokens sorted by expert, grouped GEMMs over all experts, the top-k weighted combine."""
+"""Mixture-of-experts kernels: tokens sorted by expert, grouped GEMMs over all experts (or per-pair GEMVs at decode
+sizes), the top-k weighted combine."""

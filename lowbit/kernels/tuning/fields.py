@@ -77,3 +77,6 @@ class Tuning:
     decode_target_programs_long: int
     decode_combine_rows: int  # partial rows the combine holds at once ([rows, D] fp32 over 4-8 warps)
     prefill_tiles: Mapping  # (FP8 cache, longest new sequence > 256 tokens) -> PrefillTiles
+
+    # ---- fused MoE (routes op "moe"): (token, expert) pairs up to this run the per-pair GEMV, more the grouped GEMM
+    moe_gemv_max_pairs: int = 32

@@ -31,6 +31,7 @@ class MoeExperts(nn.Module):
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
         self.fp8 = None  # kernels.Fp8Scales when w13 / w2 are float8_e4m3fn
+        self.int4 = None  # kernels.Int4Scales when w13 / w2 are packed INT4 (uint8 [E, I, H] / [E, H/2, I])
 
     def load(self, w13: torch.Tensor, w2: torch.Tensor, device, dtype) -> None:
         e, h, i = self.num_experts, self.hidden, self.intermediate
@@ -41,37 +42,82 @@ class MoeExperts(nn.Module):
         self.w2 = w2.to(device, dtype).contiguous()
 
     def load_quantized(self, fmt: formats.Format, experts: list, device, where: str) -> None:
-        """experts[e] = (gate, up, down) checkpoint tensors ({suffix: tensor}) of format fmt. FP8 per-tensor only:
-        gate and up merge by the format's rule (a shared input scale; a weight scale per output row), each expert
-        keeps its own scales. where: the experts' checkpoint name, for errors."""
-        if fmt.kernel != "fp8" or fmt.activation != formats.ACT_STATIC:
-            raise ValueError(f"{where}: {fmt.name} experts are not supported (static per-tensor FP8 experts are)")
-        e, h, i = self.num_experts, self.hidden, self.intermediate
-        w13, w2, s13, a13, s2, a2 = [], [], [], [], [], []
+        """experts[e] = (gate, up, down) checkpoint tensors ({suffix: tensor}) of format fmt: static per-tensor FP8,
+        FP8 with per-token activations (per-channel weights), or W4A16 INT4 (AWQ / RTN, no zero point). gate and up merge by the format's rule (a shared input scale or
+        pre_quant_scale); each expert keeps its own scales. where: the experts' checkpoint name, for errors."""
+        if len(experts) != self.num_experts:
+            raise ValueError(f"{where}: {len(experts)} experts; expected {self.num_experts}")
+        if fmt.kernel == "fp8" and fmt.activation in (formats.ACT_STATIC, formats.ACT_PER_TOKEN):
+            self._load_fp8(fmt, experts, device, where)
+        elif fmt.kernel == "int4" and fmt.activation == formats.ACT_NONE:
+            self._load_int4(fmt, experts, device, where)
+        else:
+            raise ValueError(f"{where}: {fmt.name} experts are not supported (FP8 with static or per-token "
+                             f"activations and W4A16 INT4 experts are)")
+
+    def _merged(self, fmt, experts: list, where: str, allowed: set, packed_rows: int = 1) -> list:
+        """Per expert (merged gate/up, down) tensors, checked: only `allowed` suffixes, weights of the expected
+        shapes (packed_rows output rows per stored row)."""
+        h, i = self.hidden, self.intermediate
+        out = []
         for idx, (gate, up, down) in enumerate(experts):
-            extra = (set(gate) | set(up) | set(down)) - {"weight", "weight_scale", "input_scale"}
+            extra = (set(gate) | set(up) | set(down)) - allowed
             if extra:
                 raise ValueError(f"{where}.{idx}: expert tensors {sorted(extra)} are not supported")
             merged = fmt.merge([gate, up])
             if merged is None:
                 raise ValueError(f"{where}.{idx}: gate and up have different input scales and cannot merge")
-            for label, t, shape in (("gate/up", merged, (2 * i, h)), ("down", down, (h, i))):
+            for label, t, shape in (("gate/up", merged, (2 * i // packed_rows, h)),
+                                    ("down", down, (h // packed_rows, i))):
                 if tuple(t["weight"].shape) != shape:
                     raise ValueError(f"{where}.{idx}: {label} weight {tuple(t['weight'].shape)}; expected {shape}")
+            out.append((merged, down))
+        return out
+
+    def _load_fp8(self, fmt, experts: list, device, where: str) -> None:
+        """Per-token formats keep no input scales (an input_scale on disk is ignored, as for dense layers)."""
+        h, i = self.hidden, self.intermediate
+        per_token = fmt.activation == formats.ACT_PER_TOKEN
+        w13, w2, s13, a13, s2, a2 = [], [], [], [], [], []
+        for merged, down in self._merged(fmt, experts, where, {"weight", "weight_scale", "input_scale"}):
             w13.append(merged["weight"].to(device))
             w2.append(down["weight"].to(device))
             s13.append(_row_scales(merged["weight_scale"], 2 * i).to(device))
             s2.append(_row_scales(down["weight_scale"], h).to(device))
-            a13.append(merged["input_scale"].float().reshape(()).to(device))
-            a2.append(down["input_scale"].float().reshape(()).to(device))
-        if len(experts) != e:
-            raise ValueError(f"{where}: {len(experts)} experts; expected {e}")
+            if not per_token:
+                a13.append(merged["input_scale"].float().reshape(()).to(device))
+                a2.append(down["input_scale"].float().reshape(()).to(device))
         self.w13, self.w2 = torch.stack(w13).contiguous(), torch.stack(w2).contiguous()
-        self.fp8 = kernels.Fp8Scales(torch.stack(s13), torch.stack(a13), torch.stack(s2), torch.stack(a2))
+        stack = (lambda t: None) if per_token else torch.stack
+        self.fp8 = kernels.Fp8Scales(torch.stack(s13), stack(a13), torch.stack(s2), stack(a2))
+
+    def _load_int4(self, fmt, experts: list, device, where: str) -> None:
+        """Packed uint8 rows kept as on disk (two output rows per byte); fp32 group scales; pre_quant_scale, or
+        ones where a checkpoint has none (RTN)."""
+        h, i = self.hidden, self.intermediate
+        w13, w2, s13, m13, s2, m2 = [], [], [], [], [], []
+        allowed = {"weight", "weight_scale", "pre_quant_scale"}
+        for merged, down in self._merged(fmt, experts, where, allowed, packed_rows=2):
+            w13.append(merged["weight"].to(device))
+            w2.append(down["weight"].to(device))
+            s13.append(merged["weight_scale"].float().to(device))
+            s2.append(down["weight_scale"].float().to(device))
+            m13.append(merged.get("pre_quant_scale", torch.ones(h)).float().reshape(h).to(device))
+            m2.append(down.get("pre_quant_scale", torch.ones(i)).float().reshape(i).to(device))
+        for label, scales in (("gate/up", s13), ("down", s2)):
+            if len({tuple(s.shape) for s in scales}) != 1:
+                raise ValueError(f"{where}: the experts' {label} group sizes differ")
+        self.w13, self.w2 = torch.stack(w13).contiguous(), torch.stack(w2).contiguous()
+        self.int4 = kernels.Int4Scales(torch.stack(s13), torch.stack(m13), torch.stack(s2), torch.stack(m2))
+        for w, s in ((self.w13, self.int4.w13_scale), (self.w2, self.int4.w2_scale)):
+            group = w.shape[2] // s.shape[2]
+            if group % 16 or group * s.shape[2] != w.shape[2] or s.shape[1] != 2 * w.shape[1]:
+                raise ValueError(f"{where}: INT4 expert scales {tuple(s.shape[1:])} do not fit weights "
+                                 f"{tuple(w.shape[1:])} in groups of a multiple of 16")
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sum over each token's top_k experts of weight * expert(x) [T, H]."""
-        return ops.fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, fp8=self.fp8)
+        return ops.fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, fp8=self.fp8, int4=self.int4)
 
 
 def _row_scales(weight_scale: torch.Tensor, rows: int) -> torch.Tensor:

@@ -1,0 +1,49 @@
+"""The fused MoE kernels compiled for the GPU (bf16 activations) against the torch reference, for every expert format
+(16-bit, static FP8, per-token FP8, INT4) on both paths (per-pair GEMV, grouped GEMM), at shapes with several K tiles,
+N not a multiple of the column block, and an expert whose run spans several row blocks."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from lowbit.kernels.moe.fused_moe import fused_moe_ref, fused_moe_triton  # noqa: E402
+from test_kernels_moe import problem  # noqa: E402
+from test_kernels_moe_fp8 import fp8_problem  # noqa: E402
+from test_kernels_moe_fp8_per_token import problem as per_token_problem  # noqa: E402
+from test_kernels_moe_int4 import int4_problem  # noqa: E402
+
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+# rel-L2 of the output: bf16 rounding of each GEMM's output and of the activation (~4e-3), which can move an FP8
+# activation to a neighbouring code (a few % on that element); a wrong scale, nibble or row is O(1)
+REL_TOL = 2e-2
+
+
+def case(fmt: str, t: int):
+    """(x bf16, w13, w2, ids, weights, {fp8 | int4: scales}) on the GPU."""
+    hidden, inter, experts, top_k = 256, 160, 8, 2
+    if fmt == "bf16":
+        x, w13, w2, ids, w = problem(t, hidden, inter, experts, top_k, torch.bfloat16, seed=t)
+        kw = {}
+    elif fmt == "int4":
+        x, w13, w2, ids, w, scales, _ = int4_problem(t, hidden, inter, experts, top_k, group=32, seed=t)
+        kw = {"int4": scales}
+    else:
+        make = fp8_problem if fmt == "fp8" else per_token_problem
+        x, w13, w2, ids, w, scales, _ = make(t, hidden, inter, experts, top_k, seed=t)
+        kw = {"fp8": scales}
+    cuda = lambda v: None if v is None else v.cuda()  # noqa: E731
+    kw = {k: type(v)(*(cuda(f) for f in v)) for k, v in kw.items()}
+    return x.bfloat16().cuda(), w13.cuda(), w2.cuda(), ids.cuda(), w.cuda(), kw
+
+
+@gpu_only
+@pytest.mark.parametrize("path", ["moe_gemv", "moe_grouped"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_per_token", "int4"])
+@pytest.mark.parametrize("t", [1, 3, 40])
+def test_gpu_fused_moe_matches_reference(fmt, path, t):
+    x, w13, w2, ids, weights, kw = case(fmt, t)
+    out = fused_moe_triton(x, w13, w2, ids, weights, path=path, **kw)
+    ref = fused_moe_ref(x.float(), w13.float() if fmt == "bf16" else w13, w2.float() if fmt == "bf16" else w2, ids,
+                        weights, **kw)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert out.dtype == torch.bfloat16 and err <= REL_TOL, err
