@@ -49,8 +49,8 @@ int8dyn)
         | grep -E '^\[|Error' | cut -c1-500
     ;;
 moe)
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_dummy_qwen3_moe.py -k gpu 2>&1 | tail -8
-    timeout 120 python3 dev/bench/moe_kernel.py 2>&1 | tail -30
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_dummy_qwen3_moe.py tests/test_kernels_moe_gpu.py -k gpu 2>&1 | tail -8
+    timeout 150 python3 dev/bench/moe_kernel.py --formats bf16 fp8 fp8_pt int4 --batches 1 2 4 8 16 64 256 2>&1 | tail -45
     lb 240 bench serve --model qwen3-30b-a3b --phases check,formats --formats bf16,fp8,int4_awq \
         --deadline-s 60 --num-requests 256 --json "$OUT/moe.json" --markdown "$OUT/moe.md" | grep -E '^\[|Error' | cut -c1-500
     ;;
