@@ -45,5 +45,9 @@ def test_gpu_fused_moe_matches_reference(fmt, path, t):
     out = fused_moe_triton(x, w13, w2, ids, weights, path=path, **kw)
     ref = fused_moe_ref(x.float(), w13.float() if fmt == "bf16" else w13, w2.float() if fmt == "bf16" else w2, ids,
                         weights, **kw)
+    # the same reference with every intermediate rounded to bf16, as the kernels round: per-token FP8 re-quantizes
+    # the bf16 activation, so on some draws the two conventions alone differ by a few % (3.1 % at t = 3)
+    ref_bf16 = fused_moe_ref(x, w13, w2, ids, weights, **kw)
+    spread = ((ref_bf16.float() - ref).norm() / ref.norm()).item()
     err = ((out.float() - ref).norm() / ref.norm()).item()
-    assert out.dtype == torch.bfloat16 and err <= REL_TOL, err
+    assert out.dtype == torch.bfloat16 and err <= max(REL_TOL, 2 * spread), (err, spread)
