@@ -40,6 +40,9 @@ SM90 = Tuning(
     # M = 2 2.14 / 2.19 / 7.60, M = 3 2.89 / 2.17 / 7.44, M = 8 4.30 / 2.17 / 7.06, M = 32 - / 2.29 / 5.18 (cuBLAS
     # bf16 3.8-4.1): the GEMV up to 2 rows, the small-M GEMM up to 32.
     int8_gemv_max_m=2,
+    # fused MoE, bf16 experts at Qwen3-30B-A3B shapes (top-8), us per layer, per-pair GEMV / grouped GEMM: 8 tokens
+    # (64 pairs) 173 / 548, 16 (128) 264 / 567, 64 (512) 692 / 717, 256 (2048) 2326 / 766
+    moe_gemv_max_pairs=512,
     int8_small_m_max_m=32,
     # One FP8 row: fp8_gemv is faster on qkv (4096->6144, 8.2 vs 9.9 us) and even on o; gate_up and down stay faster
     # on fp8_small_m / cuBLAS (33.8 vs 30.5 us, 21.8 vs 18.1).
