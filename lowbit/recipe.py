@@ -8,7 +8,7 @@ import yaml
 from lowbit.errors import UserError
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
-ALGORITHMS = ("max", "awq_lite", "awq_clip", "awq_full", "smoothquant", "rtn")
+ALGORITHMS = ("max", "mse", "awq_lite", "awq_clip", "awq_full", "smoothquant", "rtn")
 ROUNDINGS = ("nearest", "gptq")  # how weights meet their calibrated scales (calibrate/gptq.py)
 ROTATIONS = ("hadamard",)  # residual-stream rotation folded into the float weights before calibration (calibrate/rotate.py)
 
@@ -27,6 +27,7 @@ class Recipe:
     quant_algo: str  # the checkpoint's quant_algo, FORMATS.md
     description: str = ""
     kv_cache: str | None = None  # a kv_cache_quant_algo: calibrated k_scale/v_scale for every layer
+    kv_scale_search: bool = False  # k/v amax x a multiplier chosen on calibration NLL (calibrate/kv.py)
     algorithm: str = "max"  # calibration algorithm
     algorithm_args: dict = field(default_factory=dict)  # e.g. {alpha: 0.5} for smoothquant
     rounding: str = "nearest"  # nearest | gptq: GPTQ rounding against the calibrated scales, after `algorithm`
@@ -119,6 +120,10 @@ def validate(r: Recipe) -> None:
         bad("rounding", f"{r.rounding!r} is not one of {', '.join(ROUNDINGS)}")
     _check_rounding_args(r, bad)
     _check_rotation(r, bad)
+    if not isinstance(r.kv_scale_search, bool):
+        bad("kv_scale_search", f"{r.kv_scale_search!r} is not true or false")
+    if r.kv_scale_search and r.kv_cache is None:
+        bad("kv_scale_search", "needs a kv_cache format")
     if r.group_size is not None and (not isinstance(r.group_size, int) or r.group_size <= 0):
         bad("group_size", f"{r.group_size!r} is not a positive integer")
     if not all(isinstance(p, str) for p in r.exclude):

@@ -73,5 +73,11 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
             gptq_round(model, forward_loop(batches, desc=f"GPTQ Hessians {recipe.name}"), **recipe.rounding_args)
     if recipe.kv_cache:
         check_kv_calibrated(model)
+    if recipe.kv_scale_search and config is None:
+        from lowbit.calibrate.kv import search_kv_scales
+
+        t1 = time.time()
+        ck, cv = search_kv_scales(model, batches)
+        print(f"[lowbit] KV scale search: k amax x {ck}, v amax x {cv} ({time.time() - t1:.1f} s)", file=sys.stderr)
     print(f"[lowbit] calibrated {len(batches)} x {len(batches[0])} tokens in {time.time() - t0:.1f} s", file=sys.stderr)
     return model
