@@ -181,3 +181,9 @@ def test_rotated_reader_matches_modelopt_fake_quant(rotated_run):
     else:
         assert err < NOISE_FRACTION_FP8 * noise
         assert layer_errs[-1] < LAYER_REL_FP8 and layer_errs[len(layer_errs) // 2] < READER_REL
+
+
+def test_engine_serves_rotated_checkpoint(rotated_run):
+    from test_serve_engine import check_against_reference
+
+    check_against_reference(rotated_run["out"], max_num_tokens=16)
