@@ -79,9 +79,5 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
         t1 = time.time()
         ck, cv = search_kv_scales(model, batches)
         print(f"[lowbit] KV scale search: k amax x {ck}, v amax x {cv} ({time.time() - t1:.1f} s)", file=sys.stderr)
-    if config is None:
-        from lowbit.calibrate.snap import snap_fp8_weights
-
-        snap_fp8_weights(model)  # the export then writes the e4m3 codes the fake quant computed (snap.py)
     print(f"[lowbit] calibrated {len(batches)} x {len(batches[0])} tokens in {time.time() - t0:.1f} s", file=sys.stderr)
     return model
