@@ -8,8 +8,9 @@ import yaml
 from lowbit.errors import UserError
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
-ALGORITHMS = ("max", "awq_lite", "awq_clip", "awq_full", "smoothquant", "rtn")
+ALGORITHMS = ("max", "mse", "awq_lite", "awq_clip", "awq_full", "smoothquant", "rtn")
 ROUNDINGS = ("nearest", "gptq")  # how weights meet their calibrated scales (calibrate/gptq.py)
+ROTATIONS = ("hadamard",)  # residual-stream rotation folded into the float weights before calibration (calibrate/rotate.py)
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,13 @@ class Recipe:
     quant_algo: str  # the checkpoint's quant_algo, FORMATS.md
     description: str = ""
     kv_cache: str | None = None  # a kv_cache_quant_algo: calibrated k_scale/v_scale for every layer
+    kv_scale_search: bool = False  # k/v amax x a multiplier chosen on calibration NLL (calibrate/kv.py)
     algorithm: str = "max"  # calibration algorithm
     algorithm_args: dict = field(default_factory=dict)  # e.g. {alpha: 0.5} for smoothquant
     rounding: str = "nearest"  # nearest | gptq: GPTQ rounding against the calibrated scales, after `algorithm`
     rounding_args: dict = field(default_factory=dict)  # gptq: {damp: fraction of mean diag(H) added, block: columns, static_groups}
+    rotation: str | None = None  # None | hadamard: calibrate/rotate.py, on the float model before calibration
+    rotation_args: dict = field(default_factory=dict)  # hadamard: {seed: int, heads: rotate each value head too}
     group_size: int | None = None  # block/group size of weight scales where the format has one
     exclude: tuple = ("lm_head",)  # fnmatch patterns of module names left unquantized
     calibration: Calibration = Calibration()
@@ -115,6 +119,11 @@ def validate(r: Recipe) -> None:
     if r.rounding not in ROUNDINGS:
         bad("rounding", f"{r.rounding!r} is not one of {', '.join(ROUNDINGS)}")
     _check_rounding_args(r, bad)
+    _check_rotation(r, bad)
+    if not isinstance(r.kv_scale_search, bool):
+        bad("kv_scale_search", f"{r.kv_scale_search!r} is not true or false")
+    if r.kv_scale_search and r.kv_cache is None:
+        bad("kv_scale_search", "needs a kv_cache format")
     if r.group_size is not None and (not isinstance(r.group_size, int) or r.group_size <= 0):
         bad("group_size", f"{r.group_size!r} is not a positive integer")
     if not all(isinstance(p, str) for p in r.exclude):
@@ -154,3 +163,21 @@ def _check_rounding_args(r: Recipe, bad) -> None:
                 bad("rounding_args.static_groups", f"{value!r} is not true or false")
         else:
             bad("rounding_args", f"unknown argument {key!r} (known: block, damp, static_groups)")
+
+
+def _check_rotation(r: Recipe, bad) -> None:
+    if r.rotation is not None and r.rotation not in ROTATIONS:
+        bad("rotation", f"{r.rotation!r} is not one of {', '.join(ROTATIONS)} or null")
+    if not isinstance(r.rotation_args, dict):
+        bad("rotation_args", "must be a mapping")
+    if r.rotation_args and r.rotation is None:
+        bad("rotation_args", "given without a rotation")
+    for key, value in r.rotation_args.items():
+        if key == "seed":
+            if isinstance(value, bool) or not isinstance(value, int):
+                bad("rotation_args.seed", f"{value!r} is not an integer")
+        elif key == "heads":
+            if not isinstance(value, bool):
+                bad("rotation_args.heads", f"{value!r} is not true or false")
+        else:
+            bad("rotation_args", f"unknown argument {key!r} (known: heads, seed)")

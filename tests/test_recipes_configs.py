@@ -37,6 +37,8 @@ def test_algorithm_arguments_reach_modelopt():
     assert modelopt_config(load_recipe("w8a8_sq"))["algorithm"] == {"method": "smoothquant", **load_recipe("w8a8_sq").algorithm_args}
     assert modelopt_config(load_recipe("int4_awq"))["algorithm"]["method"] == "awq_full"
     assert modelopt_config(load_recipe("int4_rtn"))["algorithm"] == "max"
+    fp8_mse = recipe_from_dict({**load_recipe("fp8").to_dict(), "algorithm": "mse"})
+    assert modelopt_config(fp8_mse)["algorithm"] == {"method": "mse"}  # modelopt's MSE search of weight amax
 
 
 def test_int4_group_size_set_without_reenabling_excluded_modules():
@@ -60,6 +62,7 @@ def test_layer_group_rule():
 
 @pytest.mark.parametrize("change, message", [
     ({"algorithm": "smoothquant"}, "'algorithm'"),
+    ({"algorithm": "mse"}, "'algorithm'"),
     ({"group_size": 32, "quant_algo": "NVFP4", "algorithm": "max"}, "'group_size'"),
     ({"group_size": None}, "'group_size'"),
 ])

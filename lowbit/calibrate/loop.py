@@ -46,7 +46,8 @@ def forward_loop(batches: list[list[int]], desc: str = "calibrating", later_pass
 
 
 def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | None = None):
-    """Insert and calibrate the recipe's quantizers in place; returns the model (now fake-quantized).
+    """Insert and calibrate the recipe's quantizers in place (after the recipe's rotation, if any, on the float
+    weights); returns the model (now fake-quantized).
 
     `config` replaces the recipe's modelopt config (bench/accuracy.py passes modelopt's stock config).
     """
@@ -56,6 +57,11 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
     from lowbit.calibrate.kv import check_kv_calibrated
 
     t0 = time.time()
+    if recipe.rotation and config is None:
+        from lowbit.calibrate.rotate import rotate
+
+        rotate(model, **recipe.rotation_args)
+        print(f"[lowbit] rotation {recipe.rotation} folded into the weights in {time.time() - t0:.1f} s", file=sys.stderr)
     nvfp4_cpu.install()  # CPU kernel for NVFP4 dynamic block quantization; CUDA keeps modelopt's own
     with redirect_stdout(sys.stderr):  # modelopt prints its config and counts: keep stdout for the summary
         cfg = config if config is not None else modelopt_config(recipe, model)
@@ -67,5 +73,11 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
             gptq_round(model, forward_loop(batches, desc=f"GPTQ Hessians {recipe.name}"), **recipe.rounding_args)
     if recipe.kv_cache:
         check_kv_calibrated(model)
+    if recipe.kv_scale_search and config is None:
+        from lowbit.calibrate.kv import search_kv_scales
+
+        t1 = time.time()
+        ck, cv = search_kv_scales(model, batches)
+        print(f"[lowbit] KV scale search: k amax x {ck}, v amax x {cv} ({time.time() - t1:.1f} s)", file=sys.stderr)
     print(f"[lowbit] calibrated {len(batches)} x {len(batches[0])} tokens in {time.time() - t0:.1f} s", file=sys.stderr)
     return model
