@@ -77,7 +77,7 @@ def hf_greedy_cached(model, ids, max_tokens):
 
 
 def served(path, prompts, max_tokens=MAX_TOKENS, **engine):
-    llm = LLM(path, **{"num_kv_blocks": 32} | engine)
+    llm = LLM(path, device="cpu", **{"num_kv_blocks": 32} | engine)
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     return llm, [o.outputs[0].token_ids for o in outs]
 
@@ -121,7 +121,7 @@ def test_preemption_keeps_outputs(family):
 def test_prefix_reuse_keeps_outputs(family):
     _, model, path = family
     prompts = [SHARED + [40, 41, 42], SHARED + [90]]
-    llm = LLM(path, num_kv_blocks=32)
+    llm = LLM(path, device="cpu", num_kv_blocks=32)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params)]
     both = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -133,7 +133,7 @@ def test_prefix_reuse_keeps_outputs(family):
 def test_prompt_logprobs_equal_hf(family):
     _, model, path = family
     ids = PROMPTS[0]
-    llm = LLM(path, num_kv_blocks=32)
+    llm = LLM(path, device="cpu", num_kv_blocks=32)
     out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
     with torch.no_grad():
         lp = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)

@@ -71,16 +71,16 @@ def tokens(outs):
 
 def test_batched_and_chunked_greedy_equals_hf(tiny):
     path, _, expected = tiny
-    llm = LLM(str(path), num_kv_blocks=32, max_num_tokens=48)  # chunks the 70-token prompt
+    llm = LLM(str(path), device="cpu", num_kv_blocks=32, max_num_tokens=48)  # chunks the 70-token prompt
     assert tokens(llm.generate(PROMPTS, GREEDY)) == expected
-    llm = LLM(str(path), num_kv_blocks=64, max_num_tokens=7, enable_prefix_caching=False)  # chunks across windows
+    llm = LLM(str(path), device="cpu", num_kv_blocks=64, max_num_tokens=7, enable_prefix_caching=False)  # chunks across windows
     assert tokens(llm.generate(PROMPTS, GREEDY)) == expected
 
 
 def test_preemption_keeps_hf_tokens(tiny):
     path, model, _ = tiny
     prompts = [PROMPTS[2][i:i + 30] for i in range(3)]  # 2 blocks of 16 each, a third once decoding passes 32
-    llm = LLM(str(path), num_kv_blocks=5, enable_prefix_caching=False)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=5, enable_prefix_caching=False)
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert tokens(outs) == hf_greedy(model, prompts)
@@ -90,7 +90,7 @@ def test_prefix_reuse_keeps_hf_tokens(tiny):
     path, model, _ = tiny
     shared = PROMPTS[2][:48]
     prompts = [shared + [11, 12, 13], shared + [901, 902]]
-    llm = LLM(str(path), num_kv_blocks=64)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=64)
     assert tokens(llm.generate(prompts[:1], GREEDY)) == hf_greedy(model, prompts[:1])
     assert tokens(llm.generate(prompts, GREEDY)) == hf_greedy(model, prompts)
     assert llm.engine.block_manager.num_hit_tokens >= 32 * 2
@@ -99,7 +99,7 @@ def test_prefix_reuse_keeps_hf_tokens(tiny):
 def test_prompt_logprobs_match_hf(tiny):
     path, model, _ = tiny
     ids = PROMPTS[2]
-    llm = LLM(str(path), num_kv_blocks=32)
+    llm = LLM(str(path), device="cpu", num_kv_blocks=32)
     out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
     with torch.no_grad():
         lp = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)

@@ -24,8 +24,8 @@ def tiny(request, tmp_path_factory):
 
 
 def make_llm(path, **settings) -> LLM:
-    return LLM(str(path), **{"block_size": BS, "max_num_tokens": CHUNK, "max_batch_size": BATCH,
-                             "num_kv_blocks": 64} | settings)
+    return LLM(str(path), device="cpu", **{"block_size": BS, "max_num_tokens": CHUNK, "max_batch_size": BATCH,
+                                           "num_kv_blocks": 64} | settings)
 
 
 def check_released(llm: LLM) -> None:
