@@ -22,9 +22,12 @@ class SharedContextLM(HFLM):
     those of a full forward pass up to float rounding (tests compare against HFLM).
 
     Documents are shared out over `workers` forked processes (lowbit.evaluate.parallel), each running exactly this
-    per-document computation on its own core, so the scores do not depend on the number of workers.
+    per-document computation on its own core, so the scores do not depend on the number of workers. With `batch` > 1
+    up to that many documents run in lockstep and share their linear layers' GEMMs (lowbit.evaluate.lockstep), each
+    still computed row for row as alone: the scores do not depend on `batch` either.
     """
     workers: int = 1
+    batch: int = 1
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         groups = defaultdict(list)  # truncated context tokens -> request indices
@@ -34,7 +37,8 @@ class SharedContextLM(HFLM):
         results = [None] * len(requests)
         pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="Scoring (loglikelihood)")
         jobs = [(list(ctx), [requests[i][2] for i in idx]) for ctx, idx in groups.items()]
-        for idx, scored in zip(groups.values(), parallel.score_all(self.model, jobs, self.device, self.workers)):
+        scores = parallel.score_all(self.model, jobs, self.device, self.workers, self.batch)
+        for idx, scored in zip(groups.values(), scores):
             for i, answer in zip(idx, scored):
                 results[i] = answer
                 if requests[i][0] is not None:
@@ -89,9 +93,9 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def inproc_lm(model, tokenizer, batch_size: int = 1, workers: int = 1) -> SharedContextLM:
+def inproc_lm(model, tokenizer, batch_size: int = 1, workers: int = 1, batch: int = 1) -> SharedContextLM:
     lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    lm.workers = workers
+    lm.workers, lm.batch = workers, batch
     return lm
 
 

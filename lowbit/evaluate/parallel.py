@@ -1,6 +1,5 @@
 """Loglikelihood jobs (one context and its continuations) shared out over forked CPU worker processes."""
 import multiprocessing
-import os
 
 import torch
 
@@ -8,20 +7,27 @@ _STATE = None  # (model, device) the forked workers inherit copy-on-write; set o
 
 
 def default_workers() -> int:
-    """One worker per core this process may run on."""
-    return len(os.sched_getaffinity(0))
+    """One process: worker processes measured slower than one process on a shared 2-core machine (docs/evaluate.md)."""
+    return 1
 
 
-def score_all(model, jobs: list, device, workers: int):
+def score_all(model, jobs: list, device, workers: int, batch: int = 1):
     """Yields score_continuations(model, ctx, conts, device) for each (ctx, conts) in `jobs`, in job order.
 
+    With batch > 1, up to `batch` jobs run in lockstep with their linear layers' GEMMs shared (evaluate/lockstep.py).
     With workers > 1 (CPU only) the jobs run in forked processes with torch.get_num_threads() // workers threads
     each. Every job is computed exactly as in this process (same shapes, same kernels): at one thread per worker
-    (OMP_NUM_THREADS=1) the results are bitwise those of workers=1.
+    (OMP_NUM_THREADS=1) the results are bitwise those of workers=1, batch=1.
     """
     from lowbit.evaluate.harness import score_continuations
 
-    if workers <= 1 or len(jobs) < 2 or torch.device(device).type != "cpu":
+    cpu = torch.device(device).type == "cpu"
+    if batch > 1 and workers <= 1 and len(jobs) > 1 and cpu:
+        from lowbit.evaluate.lockstep import Lockstep
+
+        yield from Lockstep(model, batch).map(lambda job: score_continuations(model, *job, device), jobs)
+        return
+    if workers <= 1 or len(jobs) < 2 or not cpu:
         for ctx, conts in jobs:
             yield score_continuations(model, ctx, conts, device)
         return

@@ -17,7 +17,8 @@ class Plan:
     limit: int | None
     text_seqs: int = perplexity.NUM_SEQS  # held-out sequences per text source
     use_cache: bool = True
-    workers: int = 1  # in-process scoring: forked worker processes, one per core (evaluate/parallel.py)
+    workers: int = 1  # in-process scoring: forked worker processes (evaluate/parallel.py)
+    batch: int = 1  # in-process scoring: documents run in lockstep, sharing GEMMs (evaluate/lockstep.py)
 
     @property
     def lm_tasks(self) -> list[str]:
@@ -39,11 +40,11 @@ class Side:
             self._loaded = load_reference_model(self.path)
         return self._loaded
 
-    def lm(self, workers: int = 1):
+    def lm(self, workers: int = 1, batch: int = 1):
         if self.url:
             return server_lm(self.url, self.name, str(self.path))
         model, tokenizer = self.model()
-        return inproc_lm(model, tokenizer, workers=workers)
+        return inproc_lm(model, tokenizer, workers=workers, batch=batch)
 
 
 def baseline_results(side: Side, plan: Plan) -> dict:
@@ -55,7 +56,7 @@ def baseline_results(side: Side, plan: Plan) -> dict:
         k = cache.key(digest, name, {"limit": plan.limit} | ({"task_file": task_file} if task_file else {}))
         result = cache.load_json(k) if plan.use_cache else None
         if result is None:
-            lm = lm or side.lm(plan.workers)
+            lm = lm or side.lm(plan.workers, plan.batch)
             result = run_task(lm, name, plan.limit)
             cache.save_json(k, result)
         else:
@@ -79,7 +80,7 @@ def baseline_results(side: Side, plan: Plan) -> dict:
 def candidate_results(side: Side, plan: Plan, baseline_text) -> dict:
     """{tasks: {...}, text: compare_pass output (with a baseline) or TextPass (without)}."""
     out = {"tasks": {}, "text": None}
-    lm = side.lm(plan.workers) if plan.lm_tasks else None
+    lm = side.lm(plan.workers, plan.batch) if plan.lm_tasks else None
     for name in plan.lm_tasks:
         out["tasks"][name] = run_task(lm, name, plan.limit)
     if TEXT_TASK in plan.tasks and side.url:
