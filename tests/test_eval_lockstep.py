@@ -27,15 +27,16 @@ def test_row_classes_found_here():
 
 
 def test_lockstep_scores_bitwise_equal_in_order(tiny_fp8):  # noqa: F811
-    from lowbit.evaluate.harness import score_continuations
+    from lowbit.evaluate.harness import score_continuations, score_continuations_lockstep
     from lowbit.evaluate.lockstep import Lockstep
 
     model, _ = tiny_fp8
     jobs = _jobs(0, 14)
     one = [score_continuations(model, ctx, conts, "cpu") for ctx, conts in jobs]
+    assert [score_continuations_lockstep(model, ctx, conts, "cpu") for ctx, conts in jobs] == one  # alone
     lockstep = Lockstep(model, docs=5)
     assert lockstep.classes, "no linear of the tiny model has verified GEMM row classes on this machine"
-    batched = list(lockstep.map(lambda job: score_continuations(model, *job, "cpu"), jobs))
+    batched = list(lockstep.map(lambda job: score_continuations_lockstep(model, *job, "cpu"), jobs))
     assert batched == one  # floats compared exactly, order included
     assert len({lp for r in one for lp, _ in r}) > 20  # distinct jobs score differently: a reordering would show
     assert lockstep.gemms < lockstep.parked  # inputs of several documents did share GEMMs
@@ -43,7 +44,7 @@ def test_lockstep_scores_bitwise_equal_in_order(tiny_fp8):  # noqa: F811
 
 
 def test_lockstep_raises_a_documents_error(tiny_fp8):  # noqa: F811
-    from lowbit.evaluate.harness import score_continuations
+    from lowbit.evaluate.harness import score_continuations_lockstep
     from lowbit.evaluate.lockstep import Lockstep
 
     model, _ = tiny_fp8
@@ -51,7 +52,7 @@ def test_lockstep_raises_a_documents_error(tiny_fp8):  # noqa: F811
     def score(job):
         if job is None:
             raise ValueError("bad document")
-        return score_continuations(model, *job, "cpu")
+        return score_continuations_lockstep(model, *job, "cpu")
 
     with pytest.raises(ValueError, match="bad document"):
         list(Lockstep(model, docs=3).map(score, [*_jobs(1, 2), None, *_jobs(2, 2)]))

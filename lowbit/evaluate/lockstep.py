@@ -11,6 +11,7 @@ one). The classes are measured on this machine for each weight shape (`row_class
 inputs of their own class, into GEMMs that stay inside it, and a linear whose classes cannot be verified is never
 batched. So every score is bitwise that of the one-document pass.
 """
+import contextlib
 import functools
 import threading
 from collections import defaultdict
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+DEFAULT_BATCH = 16  # documents in flight: enough rows per GEMM for the blocked kernel's speed
 PROBE_ROWS = 20  # row counts 1..PROBE_ROWS are each probed for their class; classes are assumed to start there
 MAX_ROWS = 4096  # rows of one batched GEMM; bounds the memory of a batched lm_head ([rows, vocab] float32)
 
@@ -75,8 +77,9 @@ class _Task(threading.Thread):
         super().__init__(daemon=True)  # a task left parked by another task's error must not keep the process alive
         self.lockstep, self.fn, self.arg = lockstep, fn, arg
         self.go = threading.Semaphore(0)
-        self.request = None  # (module, input) while parked
+        self.request = None  # (module, input, real-row mask or None) while parked
         self.reply = None
+        self.real = None  # bool mask over the leading dims of the inputs now run: False rows are padding
         self.result, self.error, self.done = None, None, False
 
     def run(self):
@@ -90,12 +93,27 @@ class _Task(threading.Thread):
         self.done = True
         self.lockstep.back.release()
 
-    def park(self, module, x):
-        self.request = (module, x)
+    def park(self, module, x, real):
+        self.request = (module, x, real)
         self.lockstep.back.release()
         self.go.acquire()
         reply, self.reply, self.request = self.reply, None, None
         return reply
+
+
+@contextlib.contextmanager
+def real_rows(mask: torch.Tensor):
+    """Within a lockstep document: linear inputs whose leading dims have mask's shape compute only the True rows;
+    the others (padding whose outputs nothing reads but masked attention) come out as zeros."""
+    task = getattr(_local, "task", None)
+    if task is None:
+        yield
+        return
+    task.real = mask
+    try:
+        yield
+    finally:
+        task.real = None
 
 
 class Lockstep:
@@ -128,9 +146,10 @@ class Lockstep:
             for m in self.classes:
                 del m.forward  # the class's forward again
 
-    def _limit(self, module, cls: int) -> int:
+    def _bounds(self, module, cls: int) -> tuple[int, int]:
+        """(fewest, most) rows of a GEMM in row class `cls` of this linear."""
         starts = self.classes[module]
-        return starts[cls + 1] - 1 if cls + 1 < len(starts) else MAX_ROWS
+        return starts[cls], starts[cls + 1] - 1 if cls + 1 < len(starts) else MAX_ROWS
 
     def _parking_forward(self, module, original):
         def forward(x):
@@ -138,9 +157,10 @@ class Lockstep:
             if task is None or task.lockstep is not self or not x.is_contiguous():
                 return original(x)
             rows = x.numel() // x.shape[-1]
-            if self._limit(module, _class_of(rows, self.classes[module])) < 2 * rows:
+            real = task.real if task.real is not None and task.real.shape == x.shape[:-1] else None
+            if real is None and self._bounds(module, _class_of(rows, self.classes[module]))[1] < 2 * rows:
                 return original(x)  # no other input of this size fits in its class's GEMM
-            return task.park(module, x)
+            return task.park(module, x, real)
         return forward
 
     def _step(self, task: _Task) -> None:
@@ -169,18 +189,29 @@ class Lockstep:
                 next_out += 1
 
     def _run_parked(self, tasks: list[_Task], originals: dict) -> None:
-        groups = defaultdict(list)  # (module, row class) -> parked tasks
+        groups = defaultdict(list)  # (module, row class of the input as given) -> parked tasks
         for t in tasks:
-            module, x = t.request
+            module, x, _ = t.request
             groups[(module, _class_of(x.numel() // x.shape[-1], self.classes[module]))].append(t)
         for (module, cls), group in groups.items():
-            flat = [t.request[1].reshape(-1, t.request[1].shape[-1]) for t in group]
+            lo, hi = self._bounds(module, cls)
+            flat = [x.reshape(-1, x.shape[-1]) if real is None else x[real] for _, x, real in (t.request for t in group)]
             self.parked += len(group)
-            for chunk in _chunks([f.shape[0] for f in flat], self._limit(module, cls)):
+            for chunk in _chunks([f.shape[0] for f in flat], hi):
                 self.gemms += 1
-                if len(chunk) == 1:
-                    group[chunk[0]].reply = originals[module](group[chunk[0]].request[1])
+                _, x0, real0 = group[chunk[0]].request
+                if len(chunk) == 1 and real0 is None:
+                    group[chunk[0]].reply = originals[module](x0)  # the very GEMM of the one-document pass
                     continue
-                y = originals[module](torch.cat([flat[i] for i in chunk]))
-                for i, part in zip(chunk, y.split([flat[i].shape[0] for i in chunk])):
-                    group[i].reply = part.reshape(*group[i].request[1].shape[:-1], part.shape[-1])
+                rows = [flat[i] for i in chunk]
+                fill = lo - sum(r.shape[0] for r in rows)  # zero rows keep a small GEMM inside its class
+                y = originals[module](torch.cat(rows + ([rows[0].new_zeros(fill, rows[0].shape[1])] if fill > 0 else [])))
+                sizes = [flat[i].shape[0] for i in chunk]
+                for i, part in zip(chunk, y[:sum(sizes)].split(sizes)):
+                    _, x, real = group[i].request
+                    if real is None:
+                        group[i].reply = part.reshape(*x.shape[:-1], part.shape[-1])
+                    else:
+                        out = part.new_zeros(*x.shape[:-1], part.shape[-1])
+                        out[real] = part
+                        group[i].reply = out

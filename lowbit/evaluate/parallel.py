@@ -19,13 +19,13 @@ def score_all(model, jobs: list, device, workers: int, batch: int = 1):
     each. Every job is computed exactly as in this process (same shapes, same kernels): at one thread per worker
     (OMP_NUM_THREADS=1) the results are bitwise those of workers=1, batch=1.
     """
-    from lowbit.evaluate.harness import score_continuations
+    from lowbit.evaluate.harness import score_continuations, score_continuations_lockstep
 
     cpu = torch.device(device).type == "cpu"
     if batch > 1 and workers <= 1 and len(jobs) > 1 and cpu:
         from lowbit.evaluate.lockstep import Lockstep
 
-        yield from Lockstep(model, batch).map(lambda job: score_continuations(model, *job, device), jobs)
+        yield from Lockstep(model, batch).map(lambda job: score_continuations_lockstep(model, *job, device), jobs)
         return
     if workers <= 1 or len(jobs) < 2 or not cpu:
         for ctx, conts in jobs:
