@@ -1,4 +1,7 @@
 """Documents scored in lockstep (shared GEMMs) give bitwise the scores of one document at a time, in order."""
+import threading
+import time
+
 import pytest
 import torch
 
@@ -54,9 +57,27 @@ def test_lockstep_raises_a_documents_error(tiny_fp8):  # noqa: F811
             raise ValueError("bad document")
         return score_continuations_lockstep(model, *job, "cpu")
 
+    threads = threading.active_count()
     with pytest.raises(ValueError, match="bad document"):
         list(Lockstep(model, docs=3).map(score, [*_jobs(1, 2), None, *_jobs(2, 2)]))
     assert not any("forward" in vars(m) for m in model.modules())
+    time.sleep(0.2)
+    assert threading.active_count() == threads  # the other documents were unwound, not left parked
+
+
+def test_lockstep_stopped_early_unwinds(tiny_fp8):  # noqa: F811
+    from lowbit.evaluate.harness import score_continuations_lockstep
+    from lowbit.evaluate.lockstep import Lockstep
+
+    model, _ = tiny_fp8
+    threads = threading.active_count()
+    results = Lockstep(model, docs=4).map(lambda job: score_continuations_lockstep(model, *job, "cpu"), _jobs(3, 6))
+    first = next(results)
+    results.close()
+    assert first == score_continuations_lockstep(model, *_jobs(3, 1)[0], "cpu")
+    assert not any("forward" in vars(m) for m in model.modules())
+    time.sleep(0.2)
+    assert threading.active_count() == threads
 
 
 def test_task_scores_equal_in_lockstep(tiny_fp8):  # noqa: F811

@@ -27,6 +27,10 @@ MAX_ROWS = 4096  # rows of one batched GEMM; bounds the memory of a batched lm_h
 _local = threading.local()  # .task: the _Task running in this thread, if any
 
 
+class _Aborted(BaseException):
+    """Raised inside a parked document when the run stops early (another document failed, or the caller stopped)."""
+
+
 def _class_of(rows: int, starts: list[int]) -> int:
     """Index of the row class (starts: their sorted first row counts) that a `rows`-row GEMM falls in."""
     return max(i for i, lo in enumerate(starts) if lo <= rows)
@@ -74,16 +78,20 @@ class _Task(threading.Thread):
     """One document's computation; runs only between the scheduler's step() and its next park() or its end."""
 
     def __init__(self, lockstep, fn, arg):
-        super().__init__(daemon=True)  # a task left parked by another task's error must not keep the process alive
+        super().__init__(daemon=True)  # never keeps the process alive, should a task be left parked
         self.lockstep, self.fn, self.arg = lockstep, fn, arg
         self.go = threading.Semaphore(0)
         self.request = None  # (module, input, real-row mask or None) while parked
         self.reply = None
         self.real = None  # bool mask over the leading dims of the inputs now run: False rows are padding
-        self.result, self.error, self.done = None, None, False
+        self.result, self.error, self.done, self.aborted = None, None, False, False
 
     def run(self):
         self.go.acquire()
+        if self.aborted:
+            self.done = True
+            self.lockstep.back.release()
+            return
         _local.task = self
         torch.set_num_threads(self.lockstep.threads)  # intra-op threads are per thread: those of the caller
         try:
@@ -98,7 +106,16 @@ class _Task(threading.Thread):
         self.lockstep.back.release()
         self.go.acquire()
         reply, self.reply, self.request = self.reply, None, None
+        if self.aborted:
+            raise _Aborted()
         return reply
+
+    def abort(self) -> None:
+        """Unwinds a started or parked task (from the scheduler's thread) and waits until its thread is done."""
+        if not self.done:
+            self.aborted = True
+            self.go.release()
+            self.lockstep.back.acquire()
 
 
 @contextlib.contextmanager
@@ -140,9 +157,12 @@ class Lockstep:
         originals = {m: m.forward for m in self.classes}
         for m in self.classes:
             m.forward = self._parking_forward(m, originals[m])
+        alive = {}  # item index -> its task, while started and not finished
         try:
-            yield from self._schedule(fn, items, originals)
+            yield from self._schedule(fn, items, originals, alive)
         finally:
+            for task in alive.values():
+                task.abort()
             for m in self.classes:
                 del m.forward  # the class's forward again
 
@@ -169,8 +189,8 @@ class Lockstep:
         if task.error is not None:
             raise task.error
 
-    def _schedule(self, fn, items, originals):
-        results, next_out, next_in, ready, alive = {}, 0, 0, [], {}
+    def _schedule(self, fn, items, originals, alive: dict):
+        results, next_out, next_in, ready = {}, 0, 0, []
         while next_out < len(items):
             while next_in < len(items) and len(alive) < self.docs:
                 task = _Task(self, fn, items[next_in])
