@@ -4,8 +4,9 @@ full setup) vs the fast gate (documents in lockstep sharing GEMMs, lean lm-eval 
 Both runs score the same checkpoint in this process on the same tasks and limit, one after the other, each loading
 the checkpoint itself. Warm (default): the baseline is computed (or read from the cache) first and shared, as in
 a CI job whose eval cache is kept; --cold: each run computes the baseline too, in a fresh private cache. It prints
-each run's wall time, and whether every per-document score, every loglikelihood and the held-out text results are
-identical (exit 1 if not).
+each run's wall time and CPU time (this process and its worker processes: on a shared machine the fairer figure,
+as other jobs' load moves the wall time), and whether every per-document score, every loglikelihood and the
+held-out text results are identical (exit 1 if not).
 
     OMP_NUM_THREADS=1 lowbit bench eval-speed smollm2-135m-fp8 --limit 200           # default tasks, warm baseline
     OMP_NUM_THREADS=1 lowbit bench eval-speed smollm2-135m-int4_awq --limit 200 --cold --json out.jsonl
@@ -64,21 +65,24 @@ def main(argv) -> int:
     plans = {"old": Plan(tasks, args.limit, workers=args.old_workers, batch=1, lean=False),
              "new": Plan(tasks, args.limit, workers=1, batch=args.batch, lean=True)}
     for label, plan in plans.items():
+        cpu0 = _cpu_seconds()
         seconds, result, scores = _timed_run(args.model, path, source, plan, base)
-        runs[label] = (seconds, result, scores)
+        cpu = _cpu_seconds() - cpu0
+        runs[label] = (seconds, result, scores, cpu)
         emit({"run": label, "workers": plan.workers, "batch": plan.batch, "cold": args.cold, "seconds": seconds,
-              "scores": {t: r["metrics"] for t, r in result["cand"]["tasks"].items()},
+              "cpu_seconds": cpu, "scores": {t: r["metrics"] for t, r in result["cand"]["tasks"].items()},
               "load": os.getloadavg()[0]})
-        print(f"{label}: {seconds:.1f} s (workers {plan.workers}, batch {plan.batch}, lean {plan.lean}), "
-              f"load {os.getloadavg()[0]:.1f}", flush=True)
-    (t_old, old, s_old), (t_new, new, s_new) = runs["old"], runs["new"]
+        print(f"{label}: {seconds:.1f} s wall, {cpu:.1f} s CPU (workers {plan.workers}, batch {plan.batch}, "
+              f"lean {plan.lean}), load {os.getloadavg()[0]:.1f}", flush=True)
+    (t_old, old, s_old, c_old), (t_new, new, s_new, c_new) = runs["old"], runs["new"]
     checks = {"per-document task scores": old["cand"]["tasks"] == new["cand"]["tasks"],
               f"loglikelihoods ({len(s_old)})": s_old == s_new,
               "held-out text results": _text(old["cand"]) == _text(new["cand"])}
     if args.cold:
         checks["baseline task scores"] = old["base"]["tasks"] == new["base"]["tasks"]
         checks["baseline held-out text"] = _text(old["base"]) == _text(new["base"])
-    print(f"old {t_old:.1f} s, new {t_new:.1f} s: {t_old / t_new:.2f}x faster; identical: "
+    print(f"old {t_old:.1f} s, new {t_new:.1f} s: {t_old / t_new:.2f}x faster in wall time, {c_old / c_new:.2f}x in "
+          f"CPU time ({c_old:.1f} s vs {c_new:.1f} s); identical: "
           + "; ".join(f"{k}: {v}" for k, v in checks.items()))
     return 0 if all(checks.values()) else 1
 
@@ -104,6 +108,12 @@ def _timed_run(name, path, source, plan, base):
         side = Side(name, path)  # each run loads the checkpoint itself, as `lowbit eval` does
         result = {"base": base, "cand": candidate_results(side, plan, base["text"] if base else None)}
         return time.perf_counter() - t0, result, answers
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process (all threads) and of its finished child processes."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 @contextlib.contextmanager
