@@ -88,3 +88,13 @@ def test_task_scores_equal_in_lockstep(tiny_fp8):  # noqa: F811
     batched = run_task(inproc_lm(model, tokenizer, batch=4), "arc_easy", limit=8)
     assert one["n"] == batched["n"] == 8
     assert batched["per_doc"] == one["per_doc"] and batched["metrics"] == one["metrics"]
+
+
+def test_workers_in_lockstep_give_bitwise_equal_scores(tiny_fp8):  # noqa: F811
+    from lowbit.evaluate.harness import score_continuations
+    from lowbit.evaluate.parallel import score_all
+
+    model, _ = tiny_fp8
+    jobs = _jobs(4, 11)
+    one = [score_continuations(model, ctx, conts, "cpu") for ctx, conts in jobs]
+    assert list(score_all(model, jobs, "cpu", workers=2, batch=3)) == one

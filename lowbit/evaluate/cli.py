@@ -39,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="base URL of an OpenAI-compatible server (with --backend server)")
     p.add_argument("--no-cache", action="store_true", help="recompute the baseline even if cached")
     p.add_argument("--workers", type=int, metavar="N",
-                   help="in-process scoring: documents shared out over N processes (default 1: measured fastest on a "
-                        "shared 2-core machine); overrides --batch")
+                   help="in-process scoring: documents shared out over N processes, each batching as --batch says "
+                        "(default 1: measured fastest on a shared 2-core machine)")
     p.add_argument("--batch", type=int, metavar="N",
                    help="in-process scoring: N documents run in lockstep, sharing their GEMMs; same scores bit for bit "
                         "(default 16; 1: one at a time)")
