@@ -32,6 +32,7 @@ def parse(argv):
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS))
     p.add_argument("--limit", type=int, default=200)
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="documents in lockstep on the new path")
+    p.add_argument("--workers", type=int, default=1, help="worker processes of the new path (default 1, as lowbit eval)")
     p.add_argument("--old-workers", type=int, default=len(os.sched_getaffinity(0)),
                    help="worker processes of the old path (default: one per core, the old default)")
     p.add_argument("--cold", action="store_true", help="each run computes the baseline too (fresh cache)")
@@ -63,7 +64,7 @@ def main(argv) -> int:
     emit, _ = json_lines(args.json)
     runs = {}
     plans = {"old": Plan(tasks, args.limit, workers=args.old_workers, batch=1, lean=False),
-             "new": Plan(tasks, args.limit, workers=1, batch=args.batch, lean=True)}
+             "new": Plan(tasks, args.limit, workers=args.workers, batch=args.batch, lean=True)}
     for label, plan in plans.items():
         cpu0 = _cpu_seconds()
         seconds, result, scores = _timed_run(args.model, path, source, plan, base)
