@@ -25,8 +25,9 @@ def _jobs(seed: int, n: int):
 def test_row_classes_found_here():
     from lowbit.evaluate.lockstep import row_classes
 
-    starts = row_classes(128, 64)
-    assert starts is not None and starts[0] == 1 and list(starts) == sorted(set(starts))
+    for bias in (False, True):
+        starts = row_classes(128, 64, bias, torch.get_num_threads())
+        assert starts is not None and starts[0] == 1 and list(starts) == sorted(set(starts))
 
 
 def test_lockstep_scores_bitwise_equal_in_order(tiny_fp8):  # noqa: F811

@@ -50,8 +50,9 @@ def _chunks(sizes: list[int], limit: int) -> list[list[int]]:
 
 @functools.lru_cache(maxsize=None)
 @torch.no_grad()
-def row_classes(out_features: int, in_features: int) -> tuple[int, ...] | None:
-    """First row counts of this machine's GEMM row classes for float32 x [M, in] @ W^T [in, out]; None: unverified.
+def row_classes(out_features: int, in_features: int, bias: bool, threads: int) -> tuple[int, ...] | None:
+    """First row counts of this machine's GEMM row classes for float32 x [M, in] @ W^T [in, out] (+ bias [out]) at
+    `threads` intra-op threads (the caller's: the probe runs at the current setting); None: unverified.
 
     Within one class a GEMM gives each row bitwise the same result whatever the other rows are (MKL: 1, 2..15 and
     16 or more rows at SmolLM2's shapes; 1, 2 and 3 or more at tiny ones). Probed on random data: a class starts at
@@ -61,15 +62,18 @@ def row_classes(out_features: int, in_features: int) -> tuple[int, ...] | None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=g)
     x = torch.randn(4 * PROBE_ROWS, in_features, generator=g)
-    ys = [F.linear(x[:m], w) for m in range(1, PROBE_ROWS + 1)]  # ys[m - 1]: m rows
+    b = torch.randn(out_features, generator=g) if bias else None
+    if torch.get_num_threads() != threads:
+        raise ValueError(f"row_classes probes at the current {torch.get_num_threads()} threads, not {threads}")
+    ys = [F.linear(x[:m], w, b) for m in range(1, PROBE_ROWS + 1)]  # ys[m - 1]: m rows
     starts = [1] + [m for m in range(2, PROBE_ROWS + 1) if not torch.equal(ys[m - 1][:m - 1], ys[m - 2])]
     ends = [lo - 1 for lo in starts[1:]] + [PROBE_ROWS]
     for lo, hi in zip(starts, ends):  # rows keep their result when the rows around them change within the class
-        if hi > lo and not torch.equal(F.linear(x[hi - lo:hi], w), ys[hi - 1][hi - lo:hi]):
+        if hi > lo and not torch.equal(F.linear(x[hi - lo:hi], w, b), ys[hi - 1][hi - lo:hi]):
             return None
-    last = F.linear(x, w)
+    last = F.linear(x, w, b)
     for shift, m in ((1, starts[-1]), (3, PROBE_ROWS + 7), (5, 3 * PROBE_ROWS)):
-        if not torch.equal(F.linear(x[shift:shift + m], w), last[shift:shift + m]):
+        if not torch.equal(F.linear(x[shift:shift + m], w, b), last[shift:shift + m]):
             return None
     return tuple(starts)
 
@@ -142,18 +146,20 @@ class Lockstep:
         self.docs = docs
         self.back = threading.Semaphore(0)  # a task hands control back to the scheduler
         self.classes = {}  # linear -> its row classes' first row counts; linears whose GEMM rows could move are left out
+        self.threads = torch.get_num_threads()  # intra-op threads the classes were probed at; every task runs at them
         for m in model.modules():
             if isinstance(m, (nn.Linear, ReferenceQuantLinear)):
-                starts = row_classes(m.out_features, m.in_features)
+                starts = row_classes(m.out_features, m.in_features, m.bias is not None, torch.get_num_threads())
                 if starts is not None:
                     self.classes[m] = starts
-        self.threads = 1
         self.parked = 0  # linear inputs parked by documents (each would have been one GEMM)
         self.gemms = 0  # GEMMs run for them
 
     def map(self, fn, items: list):
         """Yields fn(item) for each item, in order; at most `docs` items in flight."""
-        self.threads = torch.get_num_threads()
+        if torch.get_num_threads() != self.threads:
+            raise ValueError(f"torch threads changed from {self.threads} to {torch.get_num_threads()} since the GEMM "
+                             f"row classes were probed: build the Lockstep again")
         originals = {m: m.forward for m in self.classes}
         for m in self.classes:
             m.forward = self._parking_forward(m, originals[m])
