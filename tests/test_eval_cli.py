@@ -23,6 +23,7 @@ def main(argv):
     (["smollm2-135m", "--backend", "server"], "needs --url"),
     (["smollm2-135m", "--url", "http://localhost:8000"], "only used with --backend server"),
     (["smollm2-135m", "--limit", "0"], "--limit"),
+    (["smollm2-135m", "--batch", "0"], "--batch"),
     (["smollm2-135m", "--gate", "recovery>=0.9"], "pass --baseline"),
     (["smollm2-135m", "--tasks", "missing.yaml"], "does not exist"),
     (["smollm2-135m", "--baseline", "smollm2-135m", "--tasks", "arc_easy", "--gate", "kl<=0.02"], "ppl task"),

@@ -88,3 +88,42 @@ def test_scorer_works_with_attention_that_builds_no_mask(embedded):
         model.set_attn_implementation("sdpa")
     for (lp, greedy), (lp_ref, greedy_ref) in zip(got, want):
         assert abs(lp - lp_ref) < 1e-3 and greedy == greedy_ref
+
+
+def test_first_documents_are_the_limited_documents():
+    """Reading only the first N documents (lean run_task) gives lm-eval's first N documents, in order."""
+    for name in tasks.OFFLINE:
+        full = tasks.offline_config(name)["custom_dataset"]()["validation"]
+        first = tasks.offline_config(name, 7)["custom_dataset"]()["validation"]
+        assert len(first) == 7 and first.to_list() == full.select(range(7)).to_list(), name
+
+
+@pytest.mark.parametrize("task", ["arc_easy", "hellaswag", "piqa", "lambada"])
+def test_lean_run_builds_the_same_requests(task, monkeypatch):
+    """lean run_task (first documents only, no environment report) sends the scorer exactly the same requests and
+    restores lm-eval's environment report afterwards."""
+    import lm_eval.evaluator as evaluator
+
+    from transformers import AutoTokenizer
+
+    from lowbit.evaluate import parallel
+    from lowbit.evaluate.harness import inproc_lm
+    from lowbit.models import DEFAULT_MODEL, resolve
+    from tests.interop_fixtures import tiny_llama
+
+    lm = inproc_lm(tiny_llama(), AutoTokenizer.from_pretrained(resolve(DEFAULT_MODEL)))  # the scorer is stubbed
+    seen = {}
+
+    def recording(model, jobs, device, workers, batch=1):
+        seen.setdefault(key, []).extend(jobs)
+        for _ in jobs:
+            yield [(-1.0, False)] * 8  # more answers than continuations: only the first ones are read
+
+    monkeypatch.setattr(parallel, "score_all", recording)
+    env_report = evaluator.add_env_info
+    results = {}
+    for key in ("full", "lean"):
+        results[key] = run_task(lm, task, limit=5, lean=key == "lean")
+    assert seen["lean"] == seen["full"] and len(seen["full"]) >= 5
+    assert results["lean"]["per_doc"] == results["full"]["per_doc"] and results["lean"]["n"] == 5
+    assert evaluator.add_env_info is env_report

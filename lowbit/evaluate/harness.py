@@ -1,4 +1,5 @@
 """Loglikelihood scoring for lm-eval: in-process (context computed once per document) or an OpenAI-style server."""
+import contextlib
 import inspect
 from collections import defaultdict
 
@@ -22,9 +23,12 @@ class SharedContextLM(HFLM):
     those of a full forward pass up to float rounding (tests compare against HFLM).
 
     Documents are shared out over `workers` forked processes (lowbit.evaluate.parallel), each running exactly this
-    per-document computation on its own core, so the scores do not depend on the number of workers.
+    per-document computation on its own core, so the scores do not depend on the number of workers. With `batch` > 1
+    up to that many documents run in lockstep and share their linear layers' GEMMs (lowbit.evaluate.lockstep), each
+    still computed row for row as alone: the scores do not depend on `batch` either.
     """
     workers: int = 1
+    batch: int = 1
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         groups = defaultdict(list)  # truncated context tokens -> request indices
@@ -34,7 +38,8 @@ class SharedContextLM(HFLM):
         results = [None] * len(requests)
         pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="Scoring (loglikelihood)")
         jobs = [(list(ctx), [requests[i][2] for i in idx]) for ctx, idx in groups.items()]
-        for idx, scored in zip(groups.values(), parallel.score_all(self.model, jobs, self.device, self.workers)):
+        scores = parallel.score_all(self.model, jobs, self.device, self.workers, self.batch)
+        for idx, scored in zip(groups.values(), scores):
             for i, answer in zip(idx, scored):
                 results[i] = answer
                 if requests[i][0] is not None:
@@ -64,6 +69,34 @@ def score_continuations(model, ctx: list[int], conts: list[list[int]], device) -
     return answers
 
 
+@torch.no_grad()
+def score_continuations_lockstep(model, ctx: list[int], conts: list[list[int]], device) -> list[tuple[float, bool]]:
+    """score_continuations, bitwise, for documents run in lockstep (lowbit.evaluate.lockstep): the padding rows of
+    the continuation batch are declared (their GEMM rows skipped) and log-softmax runs only on scored positions."""
+    from lowbit.evaluate.lockstep import real_rows
+
+    out = model(torch.tensor([ctx], device=device), use_cache=True, logits_to_keep=1)
+    first = F.log_softmax(out.logits[0, -1].float(), dim=-1)[None]  # [1, vocab]: predicts each cont's first token
+    rest = None
+    if max(len(c) for c in conts) > 1:
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(len(conts))
+        tokens = _right_pad([c[:-1] for c in conts], device)  # [R, W]
+        real = torch.arange(tokens.shape[1], device=device)[None, :] < torch.tensor([len(c) - 1 for c in conts],
+                                                                                    device=device)[:, None]
+        mask = _suffix_causal_mask(len(ctx), tokens.shape[1], out.logits.dtype, device)
+        with real_rows(real):
+            logits = model(tokens, attention_mask=mask, **{_cache_kwarg(model): cache}).logits  # [R, W, vocab]
+        rest = F.log_softmax(logits[real].float(), dim=-1)  # [sum(len - 1), vocab], continuation by continuation
+    answers, offset = [], 0
+    for c in conts:
+        lp = first if len(c) == 1 else torch.cat([first, rest[offset:offset + len(c) - 1]])  # [len(c), vocab]
+        offset += len(c) - 1
+        target = torch.tensor(c, device=device)
+        answers.append((float(lp.gather(1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())))
+    return answers
+
+
 def _suffix_causal_mask(past: int, width: int, dtype, device) -> torch.Tensor:
     """[1, 1, width, past + width] additive mask: new token i sees the past and new tokens 0..i.
 
@@ -89,9 +122,9 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def inproc_lm(model, tokenizer, batch_size: int = 1, workers: int = 1) -> SharedContextLM:
+def inproc_lm(model, tokenizer, batch_size: int = 1, workers: int = 1, batch: int = 1) -> SharedContextLM:
     lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    lm.workers = workers
+    lm.workers, lm.batch = workers, batch
     return lm
 
 
@@ -111,19 +144,22 @@ def server_lm(url: str, model_name: str, tokenizer_path: str, concurrency: int =
     return lm
 
 
-def run_task(lm, name: str, limit: int | None, manager=None) -> dict:
+def run_task(lm, name: str, limit: int | None, manager=None, lean: bool = False) -> dict:
     """One task through lm-eval -> {task, n, metrics: {name: value}, per_doc: {name: [value per doc]}} (JSON-able).
 
     per_doc lists follow doc_id order, so two models' lists on the same task and limit are paired by position.
+    lean: built-in tasks read only their first `limit` documents, and lm-eval's environment report (pip, git and
+    torch's collect_env subprocesses, ~1 s a task; never read by lowbit) is skipped. Same documents, same scores.
     """
     from lm_eval import simple_evaluate
 
     from lowbit.evaluate.tasks import primary_metric, task_spec
 
-    spec = task_spec(name)
+    spec = task_spec(name, limit if lean else None)
     manager = manager or _manager_for(name)
-    out = simple_evaluate(model=lm, tasks=[spec], task_manager=manager, limit=limit, log_samples=True,
-                          bootstrap_iters=0)
+    with _no_env_report() if lean else contextlib.nullcontext():
+        out = simple_evaluate(model=lm, tasks=[spec], task_manager=manager, limit=limit, log_samples=True,
+                              bootstrap_iters=0)
     task = spec["task"] if isinstance(spec, dict) else next(iter(out["samples"]))
     if len(out["samples"]) != 1:
         raise UserError(f"{name} is a group of {len(out['samples'])} tasks: pass its tasks one by one")
@@ -133,6 +169,19 @@ def run_task(lm, name: str, limit: int | None, manager=None) -> dict:
     per_doc = {m: [float(s[m]) for s in samples] for m in metrics if all(_is_number(s.get(m)) for s in samples)}
     return {"task": name, "n": len(samples), "primary": primary_metric(name, list(metrics)),
             "metrics": metrics, "per_doc": per_doc}
+
+
+@contextlib.contextmanager
+def _no_env_report():
+    """lm-eval's simple_evaluate without its add_env_info / git-hash lookups (metadata in its results only)."""
+    import lm_eval.evaluator as evaluator
+
+    saved = evaluator.add_env_info, evaluator.get_git_commit_hash
+    evaluator.add_env_info, evaluator.get_git_commit_hash = (lambda results: None), (lambda: None)
+    try:
+        yield
+    finally:
+        evaluator.add_env_info, evaluator.get_git_commit_hash = saved
 
 
 def _is_number(v) -> bool:

