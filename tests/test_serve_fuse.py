@@ -157,7 +157,8 @@ def test_llama_blocks_apply_the_deferred_part_scales(attn_kwargs, monkeypatch):
 
     rotary = RotaryEmbedding(CONFIG, 32, 64)
     x = torch.randn(6, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(5))
-    ctx = type("Ctx", (), {"positions": torch.arange(6), "slot_mapping": torch.arange(6)})()
+    ctx = type("Ctx", (), {"positions": torch.arange(6), "slot_mapping": torch.arange(6),
+                           "for_kind": lambda self, kind: self})()  # one KV kind
     qkv_out, mlp_out = {}, {}
     attn_defers = not attn_kwargs.get("qk_norm")  # Qwen3's RMSNorm before RoPE would absorb a ratio: per-row
     for defer in (False, True):
