@@ -5,7 +5,7 @@ does not make it (no modelopt quant_algo)."""
 import torch
 
 from lowbit.formats.base import ACT_PER_TOKEN, Format, Tensors, register
-from lowbit.formats.numerics import INT8_MAX, amax, fake_quant_int8_per_token
+from lowbit.formats.numerics import fake_quant_int8_per_token, quantize_int8_per_channel
 
 
 class Int8PerToken(Format):
@@ -20,9 +20,7 @@ class Int8PerToken(Format):
         return t["weight"].float() * t["weight_scale"].float().reshape(-1, 1)
 
     def quantize(self, w, *, group=128, smooth=None, x_amax=4.0, w_amax=None) -> dict:
-        w = w.float()
-        t = {"weight_scale": amax(w, 1) / INT8_MAX}
-        t["weight"] = (w / t["weight_scale"][:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        t = quantize_int8_per_channel(w)
         return t
 
     def _quantize_input(self, x: torch.Tensor, t: dict) -> torch.Tensor:

@@ -105,6 +105,13 @@ def amax(t: torch.Tensor, dim=None) -> torch.Tensor:
 
 
 # ---- activations (fake quantization: quantize and dequantize again)
+def quantize_int8_per_channel(w: torch.Tensor) -> dict:
+    """w [out, in] -> {"weight": int8 [out, in] in [-127, 127], "weight_scale": fp32 [out] = amax(|row|) / 127}."""
+    w = w.float()
+    scale = amax(w, 1) / INT8_MAX
+    return {"weight_scale": scale, "weight": (w / scale[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)}
+
+
 def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
 

@@ -4,7 +4,7 @@ linear."""
 import torch
 
 from lowbit.formats.base import ACT_STATIC, Calibration, Format, Tensors, register
-from lowbit.formats.numerics import INT8_MAX, amax, fake_quant_int8
+from lowbit.formats.numerics import INT8_MAX, fake_quant_int8, quantize_int8_per_channel
 
 
 class W8A8SmoothQuant(Format):
@@ -19,9 +19,7 @@ class W8A8SmoothQuant(Format):
         return t["weight"].float() * t["weight_scale"].float().reshape(-1, 1)
 
     def quantize(self, w, *, group=128, smooth=None, x_amax=4.0, w_amax=None) -> dict:
-        w = w.float()
-        t = {"weight_scale": amax(w, 1) / INT8_MAX}
-        t["weight"] = (w / t["weight_scale"][:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        t = quantize_int8_per_channel(w)
         t["input_scale"] = torch.tensor(x_amax / INT8_MAX)
         t["pre_quant_scale"] = smooth if smooth is not None else torch.ones(w.shape[1], dtype=torch.bfloat16)
         return t
