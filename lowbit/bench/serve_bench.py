@@ -483,6 +483,8 @@ def bench_format(args, fmt, results) -> dict:
            "kv_tokens": engine.runner.num_blocks * engine.config.block_size,
            "weight_gib": round(weight_bytes(engine) / 2**30, 2),
            "graph_sizes": engine.runner.graphs.sizes if engine.runner.graphs is not None else None}
+    if len(engine.runner.kv_blocks) > 1:  # a KV pool per layer kind: kv_blocks is the full-attention layers' pool
+        res["kv_window_blocks"] = engine.runner.kv_blocks[1]
     vocab = engine.runner.model.config["vocab_size"]
     offline(engine, fresh_prompts(min(32, args.num_requests), args.isl, vocab), 4)  # warm-up: prefill shapes
     latency(engine, random_prompts(1, args.isl, vocab, 1)[0], 4)  # and one prompt alone (the W4 prefill kernels
