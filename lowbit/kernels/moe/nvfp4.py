@@ -1,6 +1,6 @@
 """NVFP4 experts of the fused MoE, weight-only (16-bit activations, as lowbit serves NVFP4 on Hopper): their scales,
 the torch reference of one expert's linear, and the grouped GEMM and per-pair GEMV that decode the e2m1 codes and
-e4m3 block scales in their K loops.
+e4m3 block scales in their K loops (each byte read once: its two elements meet x's even and odd columns).
 
 Weights keep modelopt's on-disk layout, stacked: uint8 [E, N, K/2], element 2j of a row in the low nibble of byte j
 and 2j + 1 in the high one (nibble = sign << 3 | e2m1 index). Block scales float8_e4m3fn [E, N, K/16] as on disk
@@ -17,7 +17,7 @@ from lowbit.formats.w4a16_nvfp4 import W4A16_NVFP4
 from lowbit.kernels._triton import cdiv, helper, kernel, tl, wait_for_producers
 
 BLOCK_N = 64  # output columns per grouped-GEMM program
-BLOCK_K = 64  # K step of the grouped GEMM (four scale blocks)
+BLOCK_K = 64  # K step of the grouped GEMM (four scale blocks; two dots of BLOCK_K / 2)
 GEMV_BLOCK_N = 32
 GEMV_BLOCK_K = 128
 
@@ -106,21 +106,21 @@ def e4m3_value(b):
 
 
 @helper
-def nvfp4_tile(w_rows, s_rows, ks, k_ok, n_ok):
-    """fp32 e2m1 * block scale of the elements at ks (a [BLOCK_K] or [1, BLOCK_K] / [BLOCK_K, 1] shaped index) of
-    the byte rows w_rows and scale rows s_rows; 0 where masked."""
-    ok = k_ok & n_ok
-    byte = tl.load(w_rows + ks // 2, mask=ok, other=0).to(tl.int32)
-    code = (byte >> ((ks & 1) * 4)) & 15
-    scale = e4m3_value(tl.load(s_rows + ks // 16, mask=ok, other=0).to(tl.int32))
-    return e2m1_value(code) * scale
+def nvfp4_pairs(w_rows, s_rows, kb, ok):
+    """The bytes at kb (byte columns, broadcast against the rows w_rows / s_rows) decoded: (even elements, odd
+    elements), each fp32 e2m1 * its block scale (block kb // 8); 0 where not ok."""
+    byte = tl.load(w_rows + kb, mask=ok, other=0).to(tl.int32)
+    scale = e4m3_value(tl.load(s_rows + kb // 8, mask=ok, other=0).to(tl.int32))
+    return e2m1_value(byte & 15) * scale, e2m1_value(byte >> 4) * scale
 
 
 @kernel
 def _grouped_nvfp4_kernel(a_ptr, w_ptr, bs_ptr, g_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, N, K,
                           stride_am, stride_om, A_ROW_DIV: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """One program: BLOCK_M sorted rows of one expert x BLOCK_N output columns."""
+    """One program: BLOCK_M sorted rows of one expert x BLOCK_N output columns. Each K step reads BLOCK_K / 2 bytes
+    per column once and runs two dots: a's even columns with the low nibbles, its odd ones with the high."""
+    HALF_K: tl.constexpr = BLOCK_K // 2
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     wait_for_producers(PDL)
@@ -136,15 +136,19 @@ def _grouped_nvfp4_kernel(a_ptr, w_ptr, bs_ptr, g_ptr, out_ptr, sorted_ptr, bloc
     s_rows = bs_ptr + e64 * N * (K // 16) + cols[None, :].to(tl.int64) * (K // 16)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        b = nvfp4_tile(w_rows, s_rows, ks[:, None], k_ok[:, None], col_ok[None, :])  # [BLOCK_K, BLOCK_N]
+        kb = k0 // 2 + tl.arange(0, HALF_K)  # byte columns: elements 2 kb and 2 kb + 1
+        kb_ok = kb < K // 2
+        a_even = a_ptr + a_rows[:, None] * stride_am + 2 * kb[None, :]
+        a_ok = row_ok[:, None] & kb_ok[None, :]
+        a0 = tl.load(a_even, mask=a_ok, other=0.0)
+        a1 = tl.load(a_even + 1, mask=a_ok, other=0.0)
+        b0, b1 = nvfp4_pairs(w_rows, s_rows, kb[:, None], kb_ok[:, None] & col_ok[None, :])  # [HALF_K, BLOCK_N]
         if IEEE:  # fp32 operands: full precision, not TF32
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+            acc = tl.dot(a0, b0, acc, input_precision="ieee")
+            acc = tl.dot(a1, b1, acc, input_precision="ieee")
         else:  # exact in x's dtype (module docstring)
-            acc = tl.dot(a, b.to(a_ptr.dtype.element_ty), acc)
+            acc = tl.dot(a0, b0.to(a_ptr.dtype.element_ty), acc)
+            acc = tl.dot(a1, b1.to(a_ptr.dtype.element_ty), acc)
     acc = acc * tl.load(g_ptr + e64 * N + cols, mask=col_ok, other=0.0)[None, :]
     out_rows = tl.where(row_ok, pairs, 0).to(tl.int64)
     tl.store(out_ptr + out_rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -154,6 +158,7 @@ def _grouped_nvfp4_kernel(a_ptr, w_ptr, bs_ptr, g_ptr, out_ptr, sorted_ptr, bloc
 @kernel
 def _gemv_nvfp4_kernel(a_ptr, w_ptr, bs_ptr, g_ptr, ids_ptr, out_ptr, N, K, stride_am, stride_om,
                        A_ROW_DIV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    HALF_K: tl.constexpr = BLOCK_K // 2
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -164,10 +169,11 @@ def _gemv_nvfp4_kernel(a_ptr, w_ptr, bs_ptr, g_ptr, ids_ptr, out_ptr, N, K, stri
     s_rows = bs_ptr + expert * N * (K // 16) + cols[:, None].to(tl.int64) * (K // 16)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(a_row + ks, mask=k_ok, other=0.0).to(tl.float32)
-        b = nvfp4_tile(w_rows, s_rows, ks[None, :], k_ok[None, :], col_ok[:, None])  # [BLOCK_N, BLOCK_K]
-        acc += tl.sum(b * a[None, :], axis=1)
+        kb = k0 // 2 + tl.arange(0, HALF_K)  # byte columns: elements 2 kb and 2 kb + 1
+        kb_ok = kb < K // 2
+        a0 = tl.load(a_row + 2 * kb, mask=kb_ok, other=0.0).to(tl.float32)
+        a1 = tl.load(a_row + 2 * kb + 1, mask=kb_ok, other=0.0).to(tl.float32)
+        b0, b1 = nvfp4_pairs(w_rows, s_rows, kb[None, :], kb_ok[None, :] & col_ok[:, None])  # [BLOCK_N, HALF_K]
+        acc += tl.sum(b0 * a0[None, :] + b1 * a1[None, :], axis=1)
     acc = acc * tl.load(g_ptr + expert * N + cols, mask=col_ok, other=0.0)
     tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
