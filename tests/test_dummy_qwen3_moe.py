@@ -87,8 +87,26 @@ def test_tiny_int4_dummy_serves_on_cpu():
     assert together[1] == greedy(engine, prompts[1:2], 4)[0] and all(len(t) == 4 for t in together)
 
 
+def test_tiny_nvfp4_dummy_serves_on_cpu():
+    """NVFP4 experts from the dummy checkpoint load weight-only (codes and e4m3 block scales as drawn, one global
+    scale per row), and a request served alone gives the tokens it gives in a batch."""
+    from lowbit.serve.engine.config import EngineConfig
+    from lowbit.serve.engine.engine import Engine
+    from lowbit.bench.serve_bench import DummyTokenizer, greedy
+
+    ckpt = dummy_checkpoint("nvfp4", TINY_MOE, device="cpu", std=0.2)
+    engine = Engine(ckpt.path, EngineConfig(max_batch_size=4, max_num_tokens=64, device="cpu", dtype="float32",
+                                            num_kv_blocks=64), ckpt=ckpt, tokenizer=DummyTokenizer())
+    experts = engine.runner.model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == torch.uint8 and tuple(experts.w13.shape) == (4, 64, 32)
+    assert experts.nvfp4.w13_block.shape == (4, 64, 4) and experts.nvfp4.w2_global.shape == (4, 64)
+    prompts = [[(5 * i + n) % 250 + 3 for i in range(n)] for n in (3, 21, 40)]
+    together = greedy(engine, prompts, 4)
+    assert together[1] == greedy(engine, prompts[1:2], 4)[0] and all(len(t) == 4 for t in together)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4_awq"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4_awq", "nvfp4"])
 def test_qwen3_moe_kernels_and_graphs_match_reference_path_on_gpu(fmt):
     from lowbit.bench import serve_bench as bench
 

@@ -1,5 +1,5 @@
 """The fused MoE kernels compiled for the GPU (bf16 activations) against the torch reference, for every expert format
-(16-bit, static FP8, per-token FP8, INT4) on both paths (per-pair GEMV, grouped GEMM), at shapes with several K tiles,
+(16-bit, static FP8, per-token FP8, INT4, NVFP4) on both paths (per-pair GEMV, grouped GEMM), at shapes with several K tiles,
 N not a multiple of the column block, and an expert whose run spans several row blocks."""
 import pytest
 import torch
@@ -11,6 +11,7 @@ from test_kernels_moe import problem  # noqa: E402
 from test_kernels_moe_fp8 import fp8_problem  # noqa: E402
 from test_kernels_moe_fp8_per_token import problem as per_token_problem  # noqa: E402
 from test_kernels_moe_int4 import int4_problem  # noqa: E402
+from test_kernels_moe_nvfp4 import nvfp4_problem  # noqa: E402
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 # rel-L2 of the output: bf16 rounding of each GEMM's output and of the activation (~4e-3), which can move an FP8
@@ -19,7 +20,7 @@ REL_TOL = 2e-2
 
 
 def case(fmt: str, t: int):
-    """(x bf16, w13, w2, ids, weights, {fp8 | int4: scales}) on the GPU."""
+    """(x bf16, w13, w2, ids, weights, {fp8 | int4 | nvfp4: scales}) on the GPU."""
     hidden, inter, experts, top_k = 256, 160, 8, 2
     if fmt == "bf16":
         x, w13, w2, ids, w = problem(t, hidden, inter, experts, top_k, torch.bfloat16, seed=t)
@@ -27,6 +28,9 @@ def case(fmt: str, t: int):
     elif fmt == "int4":
         x, w13, w2, ids, w, scales, _ = int4_problem(t, hidden, inter, experts, top_k, group=32, seed=t)
         kw = {"int4": scales}
+    elif fmt == "nvfp4":
+        x, w13, w2, ids, w, scales, _ = nvfp4_problem(t, hidden, inter, experts, top_k, seed=t)
+        kw = {"nvfp4": scales}
     else:
         make = fp8_problem if fmt == "fp8" else per_token_problem
         x, w13, w2, ids, w, scales, _ = make(t, hidden, inter, experts, top_k, seed=t)
@@ -38,7 +42,7 @@ def case(fmt: str, t: int):
 
 @gpu_only
 @pytest.mark.parametrize("path", ["moe_gemv", "moe_grouped"])
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_per_token", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_per_token", "int4", "nvfp4"])
 @pytest.mark.parametrize("t", [1, 3, 40])
 def test_gpu_fused_moe_matches_reference(fmt, path, t):
     x, w13, w2, ids, weights, kw = case(fmt, t)

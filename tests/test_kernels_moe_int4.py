@@ -114,4 +114,4 @@ def test_moe_routes_pick_gemv_at_few_pairs():
     with tuning.override(moe_gemv_max_pairs=8):
         assert routes.route("moe", "int4", 16, 1536, 2048, HOPPER) == "moe_grouped"
     with pytest.raises(ValueError, match="no moe route"):
-        routes.route("moe", "nvfp4", 1, 1536, 2048, HOPPER)
+        routes.route("moe", "int8", 1, 1536, 2048, HOPPER)

@@ -1,9 +1,10 @@
 """Fused MoE (lowbit.kernels.moe) against a per-expert loop of lowbit's own linear kernels at Qwen3-30B-A3B's expert
 shapes (hidden 2048, moe_intermediate 768, 128 experts, top-8), for every expert format: bf16, fp8 (per-tensor
 weight scales, each expert its own input scale), fp8_pt (per-channel weight scales, per-token activations:
-fp8_dynamic) and int4 (W4A16 AWQ, group 128, each expert its own pre_quant_scale).
+fp8_dynamic), int4 (W4A16 AWQ, group 128, each expert its own pre_quant_scale) and nvfp4 (W4A16 NVFP4: e2m1 codes,
+e4m3 scales per 16, weight-only).
 
-    python3 dev/bench/moe_kernel.py [--formats bf16 fp8 fp8_pt int4] [--batches 1 2 4 8 16 64 256] [--iters 50]
+    python3 dev/bench/moe_kernel.py [--formats bf16 fp8 fp8_pt int4 nvfp4] [--batches 1 2 4 8 16 64 256] [--iters 50]
 
 Each (format, batch): the fused kernels first checked against fused_moe_ref (max error relative to the largest
 output), then timed three ways: as routed (routes' op "moe" picks the GEMV or the grouped GEMM), both paths forced,
@@ -19,14 +20,15 @@ import torch
 
 from lowbit import formats, kernels
 from lowbit.kernels import routes, tuning
-from lowbit.kernels.moe.fused_moe import Fp8Scales, Int4Scales, combine, fused_moe_ref, fused_moe_triton
+from lowbit.kernels.moe.fused_moe import Fp8Scales, Int4Scales, Nvfp4Scales, combine, fused_moe_ref, fused_moe_triton
 from lowbit.kernels.ops.activation import silu_and_mul
 
 HIDDEN, INTER, EXPERTS, TOP_K, GROUP = 2048, 768, 128, 8, 128
 REL_TOL = 2e-2  # bf16: each GEMM and the activation round to bf16 once; relative to the output's largest magnitude
 ALGO = {"bf16": None, "fp8": formats.FP8.name, "fp8_pt": formats.FP8_PER_CHANNEL_PER_TOKEN.name,
-        "int4": formats.W4A16_AWQ.name}
-BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0, "fp8_pt": 1.0, "int4": 0.5 + 4 / GROUP}  # int4: nibble + an fp32 scale per group
+        "int4": formats.W4A16_AWQ.name, "nvfp4": formats.W4A16_NVFP4.name}
+# int4: a nibble + an fp32 scale per group; nvfp4: a nibble + an e4m3 scale per 16
+BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0, "fp8_pt": 1.0, "int4": 0.5 + 4 / GROUP, "nvfp4": 0.5 + 1 / 16}
 
 
 def expert_tensors(fmt: str, gen: torch.Generator) -> list:
@@ -100,11 +102,21 @@ def time_us(fn, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def nvfp4_scales(fmt: str, tensors: list) -> Nvfp4Scales | None:
+    """NVFP4 experts' block scales and per-row global scales as MoeExperts stacks them (None for other formats)."""
+    if fmt != "nvfp4":
+        return None
+    rows = lambda t: t["weight_scale_2"].float().reshape(1).expand(t["weight"].shape[0])  # noqa: E731
+    return Nvfp4Scales(torch.stack([a["weight_scale"] for a, _ in tensors]), torch.stack([rows(a) for a, _ in tensors]),
+                       torch.stack([b["weight_scale"] for _, b in tensors]), torch.stack([rows(b) for _, b in tensors]))
+
+
 def run_format(fmt: str, args, gen) -> None:
     tensors = expert_tensors(fmt, gen)
-    w13, w2, fp8, int4 = stacked(fmt, tensors)
+    w13, w2, fp8, int4 = stacked(fmt, tensors)  # nvfp4: the stacked codes, no fp8 / int4 scales
+    nvfp4 = nvfp4_scales(fmt, tensors)
     on_gpu = lambda s: None if s is None else type(s)(*(None if v is None else v.cuda() for v in s))  # noqa: E731
-    fp8, int4 = on_gpu(fp8), on_gpu(int4)  # the dummy quantizer leaves input scales on the host
+    fp8, int4, nvfp4 = on_gpu(fp8), on_gpu(int4), on_gpu(nvfp4)  # the dummy quantizer leaves input scales on the host
     algo = ALGO[fmt] or formats.BF16.name
     prepared = [(kernels.prepare_linear(algo, a, "cuda"), kernels.prepare_linear(algo, b, "cuda")) for a, b in tensors]
     del tensors
@@ -112,8 +124,9 @@ def run_format(fmt: str, args, gen) -> None:
         x = torch.randn(t, HIDDEN, device="cuda", generator=gen).bfloat16()
         weights, ids = torch.topk(torch.softmax(torch.randn(t, EXPERTS, device="cuda", generator=gen), -1), TOP_K, -1)
         weights = weights / weights.sum(-1, keepdim=True)
-        fused = lambda path=None: fused_moe_triton(x, w13, w2, ids, weights, fp8=fp8, int4=int4, path=path)  # noqa
-        ref = fused_moe_ref(x, w13, w2, ids, weights, fp8=fp8, int4=int4).float()
+        fused = lambda path=None: fused_moe_triton(x, w13, w2, ids, weights, fp8=fp8, int4=int4, path=path,  # noqa
+                                                   nvfp4=nvfp4)
+        ref = fused_moe_ref(x, w13, w2, ids, weights, fp8=fp8, int4=int4, nvfp4=nvfp4).float()
         errs = {p: ((fused(p).float() - ref).abs().max() / ref.abs().max()).item() for p in ("moe_gemv", "moe_grouped")}
         if not max(errs.values()) <= REL_TOL:
             raise SystemExit(f"{fmt} batch {t}: fused vs reference max error {errs} > {REL_TOL}")

@@ -14,6 +14,8 @@ and a2_scale None) quantize each input row with its own scale amax(|row|) / 448 
 projection: an x row's scale is the same for every expert it reaches) and dequantize by it in the epilogue.
 
 INT4 experts (`int4=Int4Scales(...)`): w13 / w2 are packed uint8 (lowbit.kernels.moe.int4 says how).
+NVFP4 experts (`nvfp4=Nvfp4Scales(...)`): w13 / w2 are e2m1 codes, uint8 [E, 2I, H/2] / [E, H, I/2], weight-only
+(lowbit.kernels.moe.nvfp4 says how).
 
 Which kernels run is routes' op "moe" (by the number of (token, slot) pairs): the grouped GEMMs above, or at a few
 pairs the per-pair GEMVs of lowbit.kernels.moe.gemv; both feed the same SiLU-and-mul and combine.
@@ -30,6 +32,7 @@ from lowbit.kernels._triton import cdiv, kernel, next_pow2, on_gpu, tl, wait_for
 from lowbit.kernels.moe.align import moe_align
 from lowbit.kernels.moe.gemv import expert_gemv, expert_gemv_int4, token_scales
 from lowbit.kernels.moe.int4 import Int4Scales, grouped_gemm_int4, int4_linear_ref
+from lowbit.kernels.moe.nvfp4 import Nvfp4Scales, expert_gemv_nvfp4, grouped_gemm_nvfp4, nvfp4_linear_ref
 from lowbit.kernels.ops.activation import silu_and_mul_ref
 
 BLOCK_M = 16  # rows of one expert per GEMM tile; an expert's run is padded to it
@@ -48,23 +51,30 @@ class Fp8Scales(NamedTuple):
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, fp8: Fp8Scales | None = None, int4: Int4Scales | None = None) -> torch.Tensor:
+              topk_weights: torch.Tensor, fp8: Fp8Scales | None = None, int4: Int4Scales | None = None,
+              nvfp4: Nvfp4Scales | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x's dtype, float8_e4m3fn with fp8, packed uint8 [E, I, H] /
-    [E, H/2, I] with int4), topk_ids [T, k] int, topk_weights [T, k] float -> [T, H]."""
+    [E, H/2, I] with int4, uint8 [E, 2I, H/2] / [E, H, I/2] with nvfp4), topk_ids [T, k] int, topk_weights [T, k]
+    float -> [T, H]."""
     if on_gpu(x):
-        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, fp8=fp8, int4=int4)
-    return fused_moe_ref(x, w13, w2, topk_ids, topk_weights, fp8=fp8, int4=int4)
+        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, fp8=fp8, int4=int4, nvfp4=nvfp4)
+    return fused_moe_ref(x, w13, w2, topk_ids, topk_weights, fp8=fp8, int4=int4, nvfp4=nvfp4)
 
 
-def expert_kind(fp8: Fp8Scales | None, int4: Int4Scales | None) -> str:
+def expert_kind(fp8: Fp8Scales | None, int4: Int4Scales | None, nvfp4: Nvfp4Scales | None = None) -> str:
     """The experts' weight kind as routes' op "moe" names it."""
-    if fp8 is not None and int4 is not None:
-        raise ValueError("fused_moe: experts are FP8 or INT4, not both")
+    if (fp8 is not None) + (int4 is not None) + (nvfp4 is not None) > 1:
+        raise ValueError("fused_moe: experts are FP8, INT4 or NVFP4, one of them")
+    if nvfp4 is not None:
+        return "nvfp4"
     return "fp8" if fp8 is not None else "int4" if int4 is not None else "dense"
 
 
-def _projections(fp8: Fp8Scales | None, int4: Int4Scales | None) -> tuple[tuple, tuple]:
-    """The scale arguments of the gate/up and the down projection, in expert_linear_ref's order."""
+def _projections(fp8: Fp8Scales | None, int4: Int4Scales | None, nvfp4: Nvfp4Scales | None = None) -> tuple:
+    """The scale arguments of the gate/up and the down projection, in expert_linear_ref's order (nvfp4:
+    nvfp4_linear_ref's)."""
+    if nvfp4 is not None:
+        return (nvfp4.w13_block, nvfp4.w13_global), (nvfp4.w2_block, nvfp4.w2_global)
     if fp8 is not None:
         return (fp8.w13_scale, fp8.a13_scale), (fp8.w2_scale, fp8.a2_scale)
     if int4 is not None:
@@ -87,11 +97,11 @@ def expert_linear_ref(a: torch.Tensor, w: torch.Tensor, e: int, w_scale=None, a_
 
 
 def fused_moe_ref(x, w13, w2, topk_ids, topk_weights, fp8: Fp8Scales | None = None,
-                  int4: Int4Scales | None = None) -> torch.Tensor:
+                  int4: Int4Scales | None = None, nvfp4: Nvfp4Scales | None = None) -> torch.Tensor:
     """Torch reference: the (token, slot) pairs sorted by expert, one pair of GEMMs per expert that has any, then the
     weighted sum over each token's top_k rows."""
-    expert_kind(fp8, int4)
-    s13, s2 = _projections(fp8, int4)
+    linear = nvfp4_linear_ref if expert_kind(fp8, int4, nvfp4) == "nvfp4" else expert_linear_ref
+    s13, s2 = _projections(fp8, int4, nvfp4)
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
@@ -102,8 +112,8 @@ def fused_moe_ref(x, w13, w2, topk_ids, topk_weights, fp8: Fp8Scales | None = No
         if n == 0:
             continue
         pairs = order[start:start + n]
-        h = silu_and_mul_ref(expert_linear_ref(x[pairs // k], w13, e, *s13))
-        rows[pairs] = expert_linear_ref(h, w2, e, *s2)
+        h = silu_and_mul_ref(linear(x[pairs // k], w13, e, *s13))
+        rows[pairs] = linear(h, w2, e, *s2)
         start += n
     return combine_ref(rows, topk_weights)
 
@@ -116,22 +126,24 @@ def combine_ref(rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe_triton(x, w13, w2, topk_ids, topk_weights, block_m: int = BLOCK_M, fp8: Fp8Scales | None = None,
-                     int4: Int4Scales | None = None, path: str | None = None) -> torch.Tensor:
+                     int4: Int4Scales | None = None, path: str | None = None,
+                     nvfp4: Nvfp4Scales | None = None) -> torch.Tensor:
     """The Triton path (also under the CPU interpreter): gate/up GEMM, SiLU-and-mul, down GEMM, combine. path:
     "moe_grouped" (align, then grouped GEMMs) or "moe_gemv" (per pair); None: routes' op "moe" decides."""
-    kind = expert_kind(fp8, int4)
+    kind = expert_kind(fp8, int4, nvfp4)
     t, k = topk_ids.shape
     if path is None:
         arch = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
         path = routes.route("moe", kind, t * k, 2 * w2.shape[2], x.shape[1], arch)
     run = _gemv_projection if path == "moe_gemv" else _grouped_projection(topk_ids, w13.shape[0], block_m)
-    gate_up = run(x, w13, topk_ids, k, kind, *_projections(fp8, int4)[0])
+    s13, s2 = _projections(fp8, int4, nvfp4)
+    gate_up = run(x, w13, topk_ids, k, kind, *s13)
     if x.is_cuda:
         from lowbit.kernels.ops.activation import silu_and_mul
         act = silu_and_mul(gate_up)
     else:  # interpreter tests: the activation kernel has its own
         act = silu_and_mul_ref(gate_up)
-    rows = run(act, w2, topk_ids, 1, kind, *_projections(fp8, int4)[1])
+    rows = run(act, w2, topk_ids, 1, kind, *s2)
     return combine(rows, topk_weights)
 
 
@@ -139,6 +151,8 @@ def _gemv_projection(a, w, topk_ids, a_row_div: int, kind: str, s1, s2) -> torch
     """One projection of every pair by moe.gemv: [T * k, N]."""
     if kind == "int4":
         return expert_gemv_int4(a, w, s1, s2, topk_ids, a_row_div)
+    if kind == "nvfp4":
+        return expert_gemv_nvfp4(a, w, s1, s2, topk_ids, a_row_div)
     return expert_gemv(a, w, topk_ids, a_row_div, s1, s2)
 
 
@@ -150,6 +164,8 @@ def _grouped_projection(topk_ids, num_experts: int, block_m: int):
     def run(a, w, _ids, a_row_div: int, kind: str, s1, s2) -> torch.Tensor:
         if kind == "int4":
             return grouped_gemm_int4(a, w, s1, s2, sorted_ids, block_expert, pairs, a_row_div, block_m)
+        if kind == "nvfp4":
+            return grouped_gemm_nvfp4(a, w, s1, s2, sorted_ids, block_expert, pairs, a_row_div, block_m)
         return grouped_gemm(a, w, sorted_ids, block_expert, pairs, a_row_div, block_m, s1, s2)
     return run
 

@@ -32,6 +32,7 @@ class MoeExperts(nn.Module):
         self.w2: torch.Tensor | None = None
         self.fp8 = None  # kernels.Fp8Scales when w13 / w2 are float8_e4m3fn
         self.int4 = None  # kernels.Int4Scales when w13 / w2 are packed INT4 (uint8 [E, I, H] / [E, H/2, I])
+        self.nvfp4 = None  # kernels.Nvfp4Scales when w13 / w2 are NVFP4 e2m1 codes (uint8 [E, 2I, H/2] / [E, H, I/2])
 
     def load(self, w13: torch.Tensor, w2: torch.Tensor, device, dtype) -> None:
         e, h, i = self.num_experts, self.hidden, self.intermediate
@@ -51,9 +52,11 @@ class MoeExperts(nn.Module):
             self._load_fp8(fmt, experts, device, where)
         elif fmt.kernel == "int4" and fmt.activation == formats.ACT_NONE:
             self._load_int4(fmt, experts, device, where)
+        elif fmt.kernel == "nvfp4":
+            self._load_nvfp4(experts, device, where)
         else:
             raise ValueError(f"{where}: {fmt.name} experts are not supported (FP8 with static or per-token "
-                             f"activations and W4A16 INT4 experts are)")
+                             f"activations, W4A16 INT4 and NVFP4 experts are)")
 
     def _merged(self, fmt, experts: list, where: str, allowed: set, packed_rows: int = 1) -> list:
         """Per expert (merged gate/up, down) tensors, checked: only `allowed` suffixes, weights of the expected
@@ -115,9 +118,36 @@ class MoeExperts(nn.Module):
                 raise ValueError(f"{where}: INT4 expert scales {tuple(s.shape[1:])} do not fit weights "
                                  f"{tuple(w.shape[1:])} in groups of a multiple of 16")
 
+    def _load_nvfp4(self, experts: list, device, where: str) -> None:
+        """Weight-only, as lowbit serves NVFP4 on Hopper (an input_scale on disk is not used): codes and e4m3 block
+        scales as on disk, gate's and up's rows concatenated; weight_scale_2 repeated over each part's output rows, so
+        gate and up need not share it."""
+        h, i = self.hidden, self.intermediate
+        allowed = {"weight", "weight_scale", "weight_scale_2", "input_scale"}
+        w13, w2, b13, g13, b2, g2 = [], [], [], [], [], []
+        for idx, (gate, up, down) in enumerate(experts):
+            extra = (set(gate) | set(up) | set(down)) - allowed
+            if extra:
+                raise ValueError(f"{where}.{idx}: expert tensors {sorted(extra)} are not supported")
+            for label, t, rows, k in (("gate", gate, i, h), ("up", up, i, h), ("down", down, h, i)):
+                shapes = (tuple(t["weight"].shape), tuple(t["weight_scale"].shape), t["weight_scale_2"].numel())
+                if shapes != ((rows, k // 2), (rows, k // 16), 1) or t["weight_scale"].dtype != torch.float8_e4m3fn:
+                    raise ValueError(f"{where}.{idx}: NVFP4 {label} tensors {shapes}; expected weight "
+                                     f"{(rows, k // 2)}, float8 weight_scale {(rows, k // 16)}, one weight_scale_2")
+            glob = lambda t, rows: t["weight_scale_2"].float().reshape(1).expand(rows)  # noqa: E731
+            w13.append(torch.cat([gate["weight"], up["weight"]]).to(device))
+            b13.append(torch.cat([gate["weight_scale"], up["weight_scale"]]).to(device))
+            g13.append(torch.cat([glob(gate, i), glob(up, i)]).to(device))
+            w2.append(down["weight"].to(device))
+            b2.append(down["weight_scale"].to(device))
+            g2.append(glob(down, h).to(device))
+        self.w13, self.w2 = torch.stack(w13).contiguous(), torch.stack(w2).contiguous()
+        self.nvfp4 = kernels.Nvfp4Scales(torch.stack(b13), torch.stack(g13), torch.stack(b2), torch.stack(g2))
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sum over each token's top_k experts of weight * expert(x) [T, H]."""
-        return ops.fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, fp8=self.fp8, int4=self.int4)
+        return ops.fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, fp8=self.fp8, int4=self.int4,
+                             nvfp4=self.nvfp4)
 
 
 def _row_scales(weight_scale: torch.Tensor, rows: int) -> torch.Tensor:
