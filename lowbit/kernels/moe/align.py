@@ -7,6 +7,8 @@ run. P = the bound T * top_k + E * (block_m - 1) rounded up to block_m, so shape
 """
 import torch
 
+from lowbit.kernels._triton import helper, tl
+
 
 def padded_size(num_pairs: int, num_experts: int, block_m: int) -> int:
     """P: enough rows for every expert's run rounded up to block_m."""
@@ -32,3 +34,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     block_expert = torch.searchsorted(ends, block_start, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return sorted_ids, block_expert
+
+
+@helper
+def block_rows(sorted_ptr, pid_m, num_pairs, A_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row block pid_m of sorted_ids -> (pairs [BLOCK_M], row_ok: not padding, int64 rows of a to read: pair //
+    A_ROW_DIV, 0 for padding)."""
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    return pairs, row_ok, tl.where(row_ok, pairs // A_ROW_DIV, 0).to(tl.int64)

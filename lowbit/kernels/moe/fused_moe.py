@@ -29,7 +29,7 @@ from lowbit.formats.numerics import fake_quant_fp8, fake_quant_fp8_per_token
 
 from lowbit.kernels import routes
 from lowbit.kernels._triton import cdiv, kernel, next_pow2, on_gpu, tl, wait_for_producers
-from lowbit.kernels.moe.align import moe_align
+from lowbit.kernels.moe.align import block_rows, moe_align
 from lowbit.kernels.moe.gemv import expert_gemv, expert_gemv_int4, token_scales
 from lowbit.kernels.moe.int4 import Int4Scales, grouped_gemm_int4, int4_linear_ref
 from lowbit.kernels.moe.nvfp4 import Nvfp4Scales, expert_gemv_nvfp4, grouped_gemm_nvfp4, nvfp4_linear_ref
@@ -210,9 +210,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, w_
     wait_for_producers(PDL)
     if expert < 0:  # past the last expert's run
         return
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
-    a_rows = tl.where(row_ok, pairs // A_ROW_DIV, 0).to(tl.int64)
+    pairs, row_ok, a_rows = block_rows(sorted_ptr, pid_m, num_pairs, A_ROW_DIV, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn

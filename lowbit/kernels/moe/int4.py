@@ -13,6 +13,7 @@ import torch
 
 from lowbit.formats.numerics import unpack_int4_rows
 from lowbit.kernels._triton import cdiv, helper, kernel, tl, wait_for_producers
+from lowbit.kernels.moe.align import block_rows
 
 BLOCK_N = 64  # output columns per program (BLOCK_N / 2 byte rows)
 MAX_BLOCK_K = 64  # the K step: min(this, group), so one scale per column per step
@@ -89,9 +90,7 @@ def _grouped_int4_kernel(a_ptr, w_ptr, s_ptr, smooth_ptr, out_ptr, sorted_ptr, b
     if expert < 0:  # past the last expert's run
         return
     e64 = expert.to(tl.int64)
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
-    a_rows = tl.where(row_ok, pairs // A_ROW_DIV, 0).to(tl.int64)
+    pairs, row_ok, a_rows = block_rows(sorted_ptr, pid_m, num_pairs, A_ROW_DIV, BLOCK_M)
     brow = pid_n * HALF + tl.arange(0, HALF)  # byte rows: output columns 2 * brow and 2 * brow + 1
     b_ok = brow < HALF_N
     w_base = w_ptr + e64 * HALF_N * K + brow[None, :].to(tl.int64) * K

@@ -15,6 +15,7 @@ import torch
 
 from lowbit.formats.w4a16_nvfp4 import W4A16_NVFP4
 from lowbit.kernels._triton import cdiv, helper, kernel, tl, wait_for_producers
+from lowbit.kernels.moe.align import block_rows
 
 BLOCK_N = 64  # output columns per grouped-GEMM program
 BLOCK_K = 64  # K step of the grouped GEMM (four scale blocks; two dots of BLOCK_K / 2)
@@ -127,9 +128,7 @@ def _grouped_nvfp4_kernel(a_ptr, w_ptr, bs_ptr, g_ptr, out_ptr, sorted_ptr, bloc
     if expert < 0:  # past the last expert's run
         return
     e64 = expert.to(tl.int64)
-    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
-    a_rows = tl.where(row_ok, pairs // A_ROW_DIV, 0).to(tl.int64)
+    pairs, row_ok, a_rows = block_rows(sorted_ptr, pid_m, num_pairs, A_ROW_DIV, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_rows = w_ptr + e64 * N * (K // 2) + cols[None, :].to(tl.int64) * (K // 2)  # [1, BLOCK_N]
