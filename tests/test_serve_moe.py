@@ -101,3 +101,13 @@ def test_route_equals_hf_router(norm):
     assert torch.equal(ids, hf_ids)
     assert torch.allclose(weights, hf_weights, atol=1e-6, rtol=0)
     assert torch.allclose(weights.sum(-1), torch.ones(5)) == norm
+
+
+def test_bench_counts_expert_weights(family):
+    """`lowbit bench serve`'s weight size counts the stacked experts: the float model's bytes exactly."""
+    from lowbit.bench.serve_bench import weight_bytes
+
+    name, model, path = family
+    llm = LLM(path, num_kv_blocks=32)
+    hf_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_bytes(llm.engine) == hf_bytes

@@ -190,6 +190,11 @@ def weight_bytes(engine) -> int:
     for m in engine.runner.model.modules():
         for t in list(m.parameters(recurse=False)) + [getattr(m, "weight", None), getattr(m, "bias", None)]:
             add(t)
+        for t in [getattr(m, "w13", None), getattr(m, "w2", None)]:  # MoE experts: stacked, not parameters
+            add(t)
+        for scales in [getattr(m, kind, None) for kind in ("fp8", "int4", "nvfp4", "int8")]:
+            for t in scales if isinstance(scales, tuple) else ():
+                add(t)
         p = getattr(m, "prepared", None)
         if p is not None:
             w = p.weight
