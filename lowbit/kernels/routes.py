@@ -105,9 +105,10 @@ LINEAR = (
 )
 # how an int4 layer's zero points join its W4 kernel (lowbit.kernels.linear.w4_zero_point)
 ZERO_POINT = (
-    # the GEMV subtracts them from the codes itself, wherever LINEAR gives it the case
+    # the GEMV and w4_mma subtract them from the codes themselves, wherever LINEAR gives them the case
     Row(("int4",), lambda c, t: _first_row(t, "linear", c, None) == "w4_gemv", "zp_gemv"),
-    Row(("int4",), lambda c, t: c.m == 1, "zp_bias"),  # folded into the W4 kernel's fp32 bias (w4_mma at M = 1)
+    Row(("int4",), lambda c, t: _first_row(t, "linear", c, None) == "w4_mma", "zp_mma"),
+    Row(("int4",), lambda c, t: c.m == 1, "zp_bias"),  # folded into the W4 kernel's fp32 bias
     Row(("int4",), lambda c, t: c.m <= ZP_ADD_ROWS, "zp_add"),  # one Triton launch, in place
     Row(("int4",), lambda c, t: True, "zp_addmm"),  # torch group sums + fp32 addmm
 )
