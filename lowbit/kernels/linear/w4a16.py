@@ -7,8 +7,8 @@ Kernel layout (built once at load by pack_int4 / pack_nvfp4; the on-disk layout 
   Two words are one NVFP4 block of 16.
 - INT4: nibble = q + 8 (q in [-8, 7]); scales fp32 [KP/group, N] (transposed: one contiguous row per group).
   With zero points (W4A16_ZP, w = (q - z) * s): the same codes and scales, plus z int8 [KP/group, N] (the scales'
-  layout; padding 0), which the GEMV subtracts from the codes itself, and zs = s * z fp32 [K/group, N] for the other
-  kernels, which compute q * s and are corrected by lowbit.kernels.linear.w4_zero_point.
+  layout; padding 0), which the GEMV and w4_mma subtract from the codes themselves, and zs = s * z fp32
+  [K/group, N] for the other kernels, which compute q * s and are corrected by lowbit.kernels.linear.w4_zero_point.
 - NVFP4: nibble = e2m1 code; scales float8_e4m3fn [KP/128, N, 8] (a row's 8 block scales of a tile are 8 contiguous
   bytes); global_scale = weight_scale_2 as a Python float.
 The kernel computes out^T tiles (acc [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T) so that small M sits in the MMA's
@@ -291,8 +291,8 @@ def choose_config(M: int, N: int, KP: int, fmt: str = "int4"):
 def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
     """x [M, K] bf16/fp16 -> [M, N] in x's dtype, on the kernel lowbit.kernels.routes picks: w4_mma, the CUDA-core
     GEMV (w4_gemv), the dequantized weight through cuBLAS (w4_dequant), w4_small_m or the tensor-core kernel below
-    (which an explicit tensor-core `config` runs directly). Zero points: that kernel on q * s, corrected by
-    w4_zero_point."""
+    (which an explicit tensor-core `config` runs directly). Zero points: as routes.ZERO_POINT says
+    (lowbit.kernels.linear.w4_zero_point)."""
     if not use_triton(x):
         return w4a16_gemm_ref(x, w, bias)
     if w.zero_point is not None:
