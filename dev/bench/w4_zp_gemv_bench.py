@@ -11,9 +11,9 @@ a minute or two on an H200, mostly Triton compiles; --dry-run: CPU smoke test un
    with groups 16 / 32 / 64, pre_quant_scale and bias, bf16 and fp16 x, and CUDA graph replays on new x; w4_mma
    with zero points (its PTX, which the CPU tests cannot run) at M = 2, 8, 16 on the shapes it takes (groups of
    128k); PASS below TOL (both sides rounded to x's dtype).
-2. times M rows (default 1) on qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096 (group 128): medians over
-   REPS replays of a CUDA graph calling the op once per weight copy (enough copies that each call streams its
-   weights from HBM, as w4_gemv_bench). Prints per-shape us, the per-token sums (x 32 layers) and zp_gemv's time
+2. times M rows (default 1) on qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096 (group 128):
+   medians over REPS replays of a CUDA graph calling the op once per weight copy (enough copies that each call
+   streams its weights from HBM, as w4_gemv_bench). Prints per-shape us, the per-token sums (x 32 layers) and zp_gemv's time
    over the symmetric GEMV's (target <= 1.05: issue 34's 5 %); with --m, zp_mma's over w4_mma's.
 Exit 1 if a check fails.
 """
