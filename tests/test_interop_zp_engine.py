@@ -1,7 +1,9 @@
 """An AutoAWQ GEMM checkpoint (zero points) served on the W4 kernels: every quantized linear is packed as kind "w4"
 (not a dense bf16 fallback), and with the kernels run in Triton's CPU interpreter (the GPU's code path, forced on
-the CPU) the engine's greedy tokens equal transformers' on the dequantized float model, through every correction
-route (a 20-token prefill, two decode rows, then one)."""
+the CPU) the engine's greedy tokens equal transformers' on the dequantized float model, through every zero-point
+route (a 20-token prefill, two decode rows, then one): the GEMV with zero points in the kernel, and with the GEMV
+routed off the correction paths (folded into the bias at one row, the in-place launch at two)."""
+import contextlib
 import functools
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from lowbit.kernels import routes  # noqa: E402
+from lowbit.kernels import routes, tuning  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.kernels.linear import qlinear  # noqa: E402
 from lowbit.serve.layers import linear as linear_layer  # noqa: E402
@@ -20,7 +22,11 @@ NEW_TOKENS = (2, 5)
 
 
 @pytest.mark.skipif(not interpreting(), reason="needs triton and TRITON_INTERPRET=1 at its import")
-def test_autoawq_runs_on_w4_kernels_with_transformers_tokens(tmp_path, monkeypatch):
+@pytest.mark.parametrize("gemv,routes_seen", [
+    (True, {"zp_gemv", "zp_addmm"}),
+    (False, {"zp_bias", "zp_add", "zp_addmm"}),
+])
+def test_autoawq_runs_on_w4_kernels_with_transformers_tokens(tmp_path, monkeypatch, gemv, routes_seen):
     from lowbit.serve import LLM, SamplingParams
 
     _, model = int4_checkpoint(tmp_path, "awq", sym=False)
@@ -48,6 +54,7 @@ def test_autoawq_runs_on_w4_kernels_with_transformers_tokens(tmp_path, monkeypat
     assert prepared and {(p.algo, p.kind) for p in prepared} == {("W4A16_ZP", "w4")}
     assert all(p.weight.zero_point is not None for p in prepared)
     params = [SamplingParams(max_tokens=new, temperature=0, ignore_eos=True) for new in NEW_TOKENS]
-    outs = llm.generate(PROMPTS, params)
+    with contextlib.nullcontext() if gemv else tuning.override(w4_gemv_max_m=0):
+        outs = llm.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert corrections == {"zp_bias", "zp_add", "zp_addmm"}
+    assert corrections == routes_seen

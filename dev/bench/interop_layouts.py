@@ -1,10 +1,11 @@
 """Interop layouts on the GPU: the same int4 weights (dummy Llama-3.1-8B widths, a few layers) written as modelopt
 W4A16_AWQ, compressed-tensors W4A16 (pack-quantized, symmetric), GPTQ (sym, v1) and AutoAWQ GEMM checkpoints, each
 served by lowbit. First checks the zero-point W4 path against the exact reference (Llama-3.1-8B linear shapes,
-random zero points 0..15, M = 1 .. 512: every correction route). Then checks that compressed-tensors, GPTQ and
-AutoAWQ load onto the same W4 kernels (AutoAWQ: zero points of 8 on disk, so the same weights plus the zero-point
-correction) and give the modelopt layout's greedy tokens; prints batch-1 decode tok/s side by side (from the median
-inter-token latency) and requires AutoAWQ's within 5 % of modelopt's.
+random zero points 0..15, M = 1 .. 512: every zero-point route; at M = 1 the GEMV subtracts them itself). Then
+checks that compressed-tensors, GPTQ and AutoAWQ load onto the same W4 kernels (AutoAWQ: zero points of 8 on disk,
+so the same weights plus zero points, which batch-1 decode runs in the GEMV) and give the modelopt layout's greedy
+tokens; prints batch-1 decode tok/s side by side (from the median inter-token latency) and requires AutoAWQ's within
+5 % of modelopt's.
 `python3 dev/bench/interop_layouts.py [--layers 4] [--osl 128] [--out /tmp/interop] [--tiny]`
 """
 import argparse

@@ -4,8 +4,8 @@ compressed-tensors asymmetric pack-quantized store it); activations unquantized.
 weight uint8 [out/2, in] as W4A16_AWQ (q in [-8, 7], row 2j in the low nibble), fp32 weight_scale [out, in/group],
 int8 weight_zero_point [out, in/group] in [-8, 7]; w = (q - zero_point) * scale, in fp32 (exact: a 5-bit integer
 times the scale). lowbit reads and serves it but does not make it. On the GPU it runs on the W4 kernels (kind
-"int4": same packed codes and scales) as q * scale, minus (scale * zero_point) times x's group sums in fp32
-(lowbit.kernels.linear.w4_zero_point).
+"int4": same packed codes and scales): the GEMV and w4_mma subtract the zero points from the codes themselves, the
+others compute q * scale, minus (scale * zero_point) times x's group sums in fp32 (lowbit.kernels.linear.w4_zero_point).
 """
 import torch
 

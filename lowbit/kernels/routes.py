@@ -103,8 +103,11 @@ LINEAR = (
     Row(("dense",), lambda c, t: c.on((0, 0)) and c.m == 1 and c.x16, "dense_gemv"),
     Row(("dense",), lambda c, t: True, "cublas"),
 )
-# how an int4 layer's zero-point correction joins its W4 kernel (lowbit.kernels.linear.w4_zero_point)
+# how an int4 layer's zero points join its W4 kernel (lowbit.kernels.linear.w4_zero_point)
 ZERO_POINT = (
+    # the GEMV and w4_mma subtract them from the codes themselves, wherever LINEAR gives them the case
+    Row(("int4",), lambda c, t: _first_row(t, "linear", c, None) == "w4_gemv", "zp_gemv"),
+    Row(("int4",), lambda c, t: _first_row(t, "linear", c, None) == "w4_mma", "zp_mma"),
     Row(("int4",), lambda c, t: c.m == 1, "zp_bias"),  # folded into the W4 kernel's fp32 bias
     Row(("int4",), lambda c, t: c.m <= ZP_ADD_ROWS, "zp_add"),  # one Triton launch, in place
     Row(("int4",), lambda c, t: True, "zp_addmm"),  # torch group sums + fp32 addmm

@@ -24,6 +24,10 @@ Each program owns BLOCK_N output rows over all of K (no split-K, no second launc
 - Offline SASS (triton 3.6, sm_90, loop body per weight): INT4 3.16 instructions, NVFP4 4.73 at 8 rows (128
   registers), 5.08 at 4 rows (64: NVFP4's GEMV_CONFIG). Two rows (GEMV_CONFIG_M2): INT4 4.6 (168 registers), NVFP4
   6.5 (96), for twice the products.
+- INT4 zero points (W4A16_ZP, w = (q - z) s; zero_point int8 [KP/group, N], loaded like the scales, 4 rows per
+  32-bit load): the chain starts at -(offset + z sum(x chunk)) instead, so it sums (q - z) x with q - z an exact
+  small integer, then is scaled once as without zero points: no correction launch. The z term is below the offset
+  term in size (|z| <= 8 against 264 / 24), so the fp32 rounding bound above holds unchanged.
 H200, Llama-3.1-8B shapes, per token: INT4 2.5x and NVFP4 2.0x cuBLAS bf16.
 """
 import torch
@@ -32,10 +36,11 @@ from lowbit.kernels import tuning
 from lowbit.kernels._triton import (cdiv, early_kernel, helper, interpreting, load_streamed, split4, tl,
                                     use_triton, wait_for_producers)
 
-def w4_gemv(x, w, bias=None, config=None):
+def w4_gemv(x, w, bias=None, config=None, zero_point=None):
     """x [M, K] bf16/fp16/fp32, M = 1 or 2 -> [M, N] in x's dtype, w a lowbit.kernels.linear.w4a16.W4Weight. Two
     rows share each dequantized weight (one more FMA per weight and row). config (BLOCK_N, BLOCK_K, num_warps),
-    default Tuning.w4_gemv_config[w.fmt] (M = 1) or w4_gemv_config_m2; BLOCK_K a multiple of 1024 x num_warps."""
+    default Tuning.w4_gemv_config[w.fmt] (M = 1) or w4_gemv_config_m2; BLOCK_K a multiple of 1024 x num_warps.
+    zero_point: INT4 only, int8 [KP/group, N] (w.zero_point) subtracted from the codes in the kernel; None: q * s."""
     assert use_triton(x)
     x = x.contiguous()
     M, K = x.shape
@@ -47,11 +52,15 @@ def w4_gemv(x, w, bias=None, config=None):
     if w.fmt == "int4":
         assert w.group % 16 == 0, w.group  # at most two scales per 32-wide chunk
     N, KP = w.out_features, w.qweight.shape[1] * 8
+    if zero_point is not None:
+        assert w.fmt == "int4" and zero_point.dtype == torch.int8 and zero_point.shape == w.scales.shape
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     _w4_gemv_kernel[(cdiv(N, block_n),)](
-        x, w.qweight, w.scales, w.smooth if w.smooth is not None else x, bias if bias is not None else x, out,
+        x, w.qweight, w.scales, zero_point if zero_point is not None else w.scales,
+        w.smooth if w.smooth is not None else x, bias if bias is not None else x, out,
         N, K, KP, KP // 8, w.global_scale * (2.0**14 if w.fmt == "nvfp4" else 1.0), 0x43800000,
-        IS_FP4=w.fmt == "nvfp4", GROUP=w.group, HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None,
+        IS_FP4=w.fmt == "nvfp4", GROUP=w.group, HAS_ZP=zero_point is not None, HAS_SMOOTH=w.smooth is not None,
+        HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=KP % block_k == 0, MASK_X=K % block_k != 0,
         M2=M == 2, USE_ASM=not interpreting(), num_warps=warps)
     return out
@@ -131,6 +140,21 @@ def _int4_offset(x):
 
 
 @helper
+def _x_sum(x):
+    """sum_s x[s] over one word's 8 x values."""
+    return ((x[0] + x[2]) + (x[4] + x[6])) + ((x[1] + x[3]) + (x[5] + x[7]))
+
+
+@helper
+def _chain_start(off, xsum, z, shape, HAS_ZP: tl.constexpr):
+    """The INT4 chain's start [C, BN]: -off (off [C]: shared by the rows); with zero points z [C, BN] (fp32) also
+    - z * xsum (xsum [C]: the chain's x values summed), so that the chain sums (q - z) x."""
+    if HAS_ZP:
+        return -(off[:, None] + z * xsum[:, None])
+    return tl.broadcast_to(-off[:, None], shape)
+
+
+@helper
 def fp4_pair_bits(wd, s: tl.constexpr):
     """Nibbles s and s + 4 (e2m1 codes) of each uint32 word -> one uint32 holding two fp16 = value * 2^-14 (s in the
     low half): the code's (e1 e0 m) go to bits 9..11 and its sign to bit 15 (e = 0 gives the subnormals 0 and
@@ -179,10 +203,11 @@ def _fp4_word(wd, x, y, ca, cb, USE_ASM: tl.constexpr, M2: tl.constexpr):
 
 
 @helper
-def _load_step(w_ptrs, s_ptr, k0, cc, n_rows, offs_n0, N, KP, IS_FP4: tl.constexpr, GROUP: tl.constexpr,
-               EVEN_K: tl.constexpr):
-    """Step k0: words [C, BN, 4] (uint32) and scales: NVFP4 [C, BN, 2] e4m3 (blocks 2(c%4), +1 of the 128-tile),
-    INT4 groups < 32 [C, BN, 2] (two groups per chunk), else [C, BN]. Chunks past KP load 0."""
+def _load_step(w_ptrs, s_ptr, z_ptr, k0, cc, n_rows, offs_n0, N, KP, IS_FP4: tl.constexpr, GROUP: tl.constexpr,
+               HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr):
+    """Step k0: words [C, BN, 4] (uint32), scales and INT4 zero points (HAS_ZP; else the scales again): NVFP4 scales
+    [C, BN, 2] e4m3 (blocks 2(c%4), +1 of the 128-tile), INT4 groups < 32 [C, BN, 2] (two groups per chunk), else
+    [C, BN]. Chunks past KP load 0."""
     kc = k0 + 32 * cc  # first k of each chunk [C]
     words = load_streamed(w_ptrs + k0 // 8, (kc < KP)[:, None, None], not EVEN_K)
     if IS_FP4:
@@ -193,31 +218,44 @@ def _load_step(w_ptrs, s_ptr, k0, cc, n_rows, offs_n0, N, KP, IS_FP4: tl.constex
             sc = tl.load(sp)
         else:
             sc = tl.load(sp, mask=(kc < KP)[:, None, None], other=0.0)
-    elif GROUP < 32:
-        b2 = tl.arange(0, 2)
-        sp = s_ptr + ((kc[:, None] + 16 * b2[None, :]) // GROUP)[:, None, :] * N + n_rows[None, :, None]
-        if EVEN_K:
-            sc = tl.load(sp)
-        else:
-            sc = tl.load(sp, mask=(kc < KP)[:, None, None], other=0.0)
-    else:  # [C, BN/4, 4]: 4 rows per 16-byte load (rows not clamped: masked on N, vector loads when 16 | N)
-        r4 = offs_n0 + 4 * tl.arange(0, n_rows.shape[0] // 4)[:, None] + tl.arange(0, 4)[None, :]
-        sp = s_ptr + (kc // GROUP)[:, None, None] * N + r4[None, :, :]
-        mask = (r4 < N)[None, :, :]
-        if not EVEN_K:
-            mask = mask & (kc < KP)[:, None, None]
-        sc = tl.reshape(tl.load(sp, mask=mask, other=0.0), (kc.shape[0], n_rows.shape[0]))
-    return words.to(tl.uint32, bitcast=True), sc
+        zp = sc
+    else:
+        sc = _group_values(s_ptr, kc, n_rows, offs_n0, N, KP, GROUP, EVEN_K)
+        zp = sc
+        if HAS_ZP:
+            zp = _group_values(z_ptr, kc, n_rows, offs_n0, N, KP, GROUP, EVEN_K)
+    return words.to(tl.uint32, bitcast=True), sc, zp
 
 
 @helper
-def _step(acc, acc2, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4: tl.constexpr,
-          TWO_SCALES: tl.constexpr, HAS_SMOOTH: tl.constexpr, MASK_X: tl.constexpr, USE_ASM: tl.constexpr,
-          M2: tl.constexpr):
+def _group_values(p, kc, n_rows, offs_n0, N, KP, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
+    """INT4 per-group values [KP/group, N] (scales, zero points) of chunks starting at kc [C] and the rows: groups
+    < 32 [C, BN, 2] (two groups per chunk), else [C, BN]. Chunks past KP load 0."""
+    if GROUP < 32:
+        b2 = tl.arange(0, 2)
+        sp = p + ((kc[:, None] + 16 * b2[None, :]) // GROUP)[:, None, :] * N + n_rows[None, :, None]
+        if EVEN_K:
+            v = tl.load(sp)
+        else:
+            v = tl.load(sp, mask=(kc < KP)[:, None, None], other=0)
+    else:  # [C, BN/4, 4]: 4 rows per vector load (rows not clamped: masked on N, vector loads when 16 | N)
+        r4 = offs_n0 + 4 * tl.arange(0, n_rows.shape[0] // 4)[:, None] + tl.arange(0, 4)[None, :]
+        sp = p + (kc // GROUP)[:, None, None] * N + r4[None, :, :]
+        mask = (r4 < N)[None, :, :]
+        if not EVEN_K:
+            mask = mask & (kc < KP)[:, None, None]
+        v = tl.reshape(tl.load(sp, mask=mask, other=0), (kc.shape[0], n_rows.shape[0]))
+    return v
+
+
+@helper
+def _step(acc, acc2, words, sc, zp, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4: tl.constexpr,
+          TWO_SCALES: tl.constexpr, HAS_ZP: tl.constexpr, HAS_SMOOTH: tl.constexpr, MASK_X: tl.constexpr,
+          USE_ASM: tl.constexpr, M2: tl.constexpr):
     """acc [C, BN] += the step's 32 products per chunk and row, scaled once per chunk (or per half chunk: NVFP4
     blocks, INT4 groups of 16); acc2 the same for x's second row (M2: x [2, K]), from the same dequantized weights.
     INT4 chains start at -offset (the 256 / 16 added to the nibbles and the 8 of q = u - 8, summed over x once per
-    chunk for all rows)."""
+    chunk for all rows), minus z times the chain's x sum with zero points zp (HAS_ZP, int8 shaped as sc)."""
     w0, w1, w2, w3 = split4(words)
     kx = k0 + 32 * cc[:, None] + tl.arange(0, 8)[None, :]  # [C, 8]: x of word 0 of each chunk
     xa = _x_word(x_ptr, smooth_ptr, kx, K, HAS_SMOOTH, MASK_X)  # 8 tensors [C] each
@@ -252,18 +290,28 @@ def _step(acc, acc2, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4:
         off_cd = _int4_offset(xc) + _int4_offset(xd)
         off2_ab = _int4_offset(ya) + _int4_offset(yb)
         off2_cd = _int4_offset(yc) + _int4_offset(yd)
+        xs_ab, xs_cd, ys_ab, ys_cd = off_ab, off_cd, off2_ab, off2_cd  # x sums: read only with zero points
+        if HAS_ZP:
+            xs_ab, xs_cd = _x_sum(xa) + _x_sum(xb), _x_sum(xc) + _x_sum(xd)
+            ys_ab, ys_cd = _x_sum(ya) + _x_sum(yb), _x_sum(yc) + _x_sum(yd)
         if TWO_SCALES:
-            ca, cb = _int4_word(w0, xa, ya, tl.broadcast_to(-off_ab[:, None], acc.shape),
-                                tl.broadcast_to(-off2_ab[:, None], acc.shape), e256, e16, M2)
+            z0, z1 = s0, s1
+            if HAS_ZP:
+                z0, z1 = tl.split(zp)
+                z0 = z0.to(tl.float32)
+                z1 = z1.to(tl.float32)
+            ca, cb = _int4_word(w0, xa, ya, _chain_start(off_ab, xs_ab, z0, acc.shape, HAS_ZP),
+                                _chain_start(off2_ab, ys_ab, z0, acc.shape, HAS_ZP), e256, e16, M2)
             ca, cb = _int4_word(w1, xb, yb, ca, cb, e256, e16, M2)
             acc += ca * s0
             if M2:
                 acc2 += cb * s0
-            ca, cb = _int4_word(w2, xc, yc, tl.broadcast_to(-off_cd[:, None], acc.shape),
-                                tl.broadcast_to(-off2_cd[:, None], acc.shape), e256, e16, M2)
+            ca, cb = _int4_word(w2, xc, yc, _chain_start(off_cd, xs_cd, z1, acc.shape, HAS_ZP),
+                                _chain_start(off2_cd, ys_cd, z1, acc.shape, HAS_ZP), e256, e16, M2)
         else:
-            ca, cb = _int4_word(w0, xa, ya, tl.broadcast_to(-(off_ab + off_cd)[:, None], acc.shape),
-                                tl.broadcast_to(-(off2_ab + off2_cd)[:, None], acc.shape), e256, e16, M2)
+            z = zp.to(tl.float32)
+            ca, cb = _int4_word(w0, xa, ya, _chain_start(off_ab + off_cd, xs_ab + xs_cd, z, acc.shape, HAS_ZP),
+                                _chain_start(off2_ab + off2_cd, ys_ab + ys_cd, z, acc.shape, HAS_ZP), e256, e16, M2)
             ca, cb = _int4_word(w1, xb, yb, ca, cb, e256, e16, M2)
             ca, cb = _int4_word(w2, xc, yc, ca, cb, e256, e16, M2)
         ca, cb = _int4_word(w3, xd, yd, ca, cb, e256, e16, M2)
@@ -279,8 +327,9 @@ def _step(acc, acc2, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4:
 
 
 @early_kernel
-def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, N, K, KP, w_stride, global_scale, magic,
-                    IS_FP4: tl.constexpr, GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, smooth_ptr, bias_ptr, out_ptr, N, K, KP, w_stride, global_scale,
+                    magic, IS_FP4: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+                    HAS_BIAS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MASK_X: tl.constexpr,
                     M2: tl.constexpr, USE_ASM: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] for BLOCK_N rows n, all of K, m = 0 (and 1, M2). EVEN_K: BLOCK_K | KP (no masked chunk); MASK_X:
@@ -301,15 +350,15 @@ def _w4_gemv_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, N, K, KP
     acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
     acc2 = acc  # the second x row's sums (M2)
     n_steps = tl.cdiv(KP, BLOCK_K)
-    words, sc = _load_step(w_ptrs, s_ptr, 0, cc, n_rows, offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
+    words, sc, zp = _load_step(w_ptrs, s_ptr, z_ptr, 0, cc, n_rows, offs_n0, N, KP, IS_FP4, GROUP, HAS_ZP, EVEN_K)
     wait_for_producers(PDL)
     for kb in range(0, n_steps):
         k0 = kb * BLOCK_K  # (a multiple of BLOCK_K the compiler can see: aligned 16-byte x loads)
-        words_next, sc_next = _load_step(w_ptrs, s_ptr, tl.minimum(kb + 1, n_steps - 1) * BLOCK_K, cc, n_rows,
-                                         offs_n0, N, KP, IS_FP4, GROUP, EVEN_K)
-        acc, acc2 = _step(acc, acc2, words, sc, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4, TWO_SCALES,
-                          HAS_SMOOTH, MASK_X, USE_ASM, M2)
-        words, sc = words_next, sc_next
+        words_next, sc_next, zp_next = _load_step(w_ptrs, s_ptr, z_ptr, tl.minimum(kb + 1, n_steps - 1) * BLOCK_K,
+                                                  cc, n_rows, offs_n0, N, KP, IS_FP4, GROUP, HAS_ZP, EVEN_K)
+        acc, acc2 = _step(acc, acc2, words, sc, zp, x_ptr, smooth_ptr, k0, cc, K, e256, e16, IS_FP4, TWO_SCALES,
+                          HAS_ZP, HAS_SMOOTH, MASK_X, USE_ASM, M2)
+        words, sc, zp = words_next, sc_next, zp_next
     out = tl.sum(acc, axis=0) * global_scale
     if HAS_BIAS:
         bias = tl.load(bias_ptr + n_rows).to(tl.float32)

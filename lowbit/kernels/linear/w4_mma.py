@@ -22,6 +22,10 @@ INT4: x's dtype picks the mma type: bf16 -> bf16 mma (magic 128.0, a shift per p
 the high nibbles dequantize from bits 4..7 as 1024 + 16 u, one shift per word). NVFP4: f16 mmas (x rounded to fp16,
 as w4a16), each pair the e2m1 values x 2^-14 times the word's block scale (exact in fp16; a lane's 8 k lie in one
 16-block, but the lanes of one mma cover four blocks, so the scale goes into A); global scale x 2^14 at the end.
+INT4 zero points (W4A16_ZP, w = (q - z) s; zero_point int8 [KP/group, N], the scales' layout): the HFMA2 that
+takes the magic off subtracts 136 + z (bf16) / 1032 + z and 72 + z (f16) instead, a register per row and block in
+place of the constant: A holds q - z, an integer in [-15, 15], exact in both types (136 + z and 1032 + z are
+exact too), so the products and the fp32 sums are as without zero points; no instruction per weight is added.
 Under the interpreter (no PTX) the dequantization and the warp-wide mma are emulated with Triton ops.
 """
 import torch
@@ -45,22 +49,27 @@ def supports(M: int, w) -> bool:
     return 1 <= M <= MAX_M and (w.fmt == "nvfp4" or w.group % 128 == 0)
 
 
-def w4_mma(x, w, bias=None, config=None):
-    """x [M, K] bf16/fp16, M <= MAX_M -> [M, N] in x's dtype; w a W4Weight that `supports` takes."""
+def w4_mma(x, w, bias=None, config=None, zero_point=None):
+    """x [M, K] bf16/fp16, M <= MAX_M -> [M, N] in x's dtype; w a W4Weight that `supports` takes. zero_point: INT4
+    only, int8 [KP/group, N] (w.zero_point) subtracted from the codes in A; None: q * s."""
     assert use_triton(x)
     M, K = x.shape
     assert supports(M, w) and x.dtype in (torch.bfloat16, torch.float16), (M, w.fmt, w.group, x.dtype)
     N, KP = w.out_features, w.qweight.shape[1] * 8
     block_n, block_k, warps = config or choose_config(M, N)
     assert block_n % 16 == 0 and block_k % (128 * warps) == 0, (block_n, block_k, warps)
+    if zero_point is not None:
+        assert w.fmt == "int4" and zero_point.dtype == torch.int8 and zero_point.shape == w.scales.shape
     x = x.contiguous()
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     fp4 = w.fmt == "nvfp4"
     bf16 = x.dtype == torch.bfloat16 and not fp4  # NVFP4 runs f16 mmas (x rounded to fp16, as w4a16)
     _w4_mma_kernel[(cdiv(N, block_n),)](
-        x, w.qweight, w.scales, w.smooth if w.smooth is not None else x, bias if bias is not None else x, out,
+        x, w.qweight, w.scales, zero_point if zero_point is not None else w.scales,
+        w.smooth if w.smooth is not None else x, bias if bias is not None else x, out,
         M, N, K, KP, KP // 8, w.global_scale * (2.0**14 if fp4 else 1.0), 0x43004300 if bf16 else 0x64006400,
-        IS_FP4=fp4, BF16=bf16, GROUP=w.group, HAS_SMOOTH=w.smooth is not None, HAS_BIAS=bias is not None,
+        IS_FP4=fp4, BF16=bf16, GROUP=w.group, HAS_ZP=zero_point is not None, HAS_SMOOTH=w.smooth is not None,
+        HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, WARPS=warps, EVEN_K=KP % block_k == 0, MASK_X=K % block_k != 0,
         X_TILES=1 if M <= 8 else 2, EMULATE=interpreting(), num_warps=warps)
     return out
@@ -120,6 +129,54 @@ def _dequant(wd, magic, BF16: tl.constexpr, EMULATE: tl.constexpr):
             lop3.b32 t, h, 0x00f000f0, $5, 0xea; fma.rn.f16x2 $3, t, s16, off16; }""",
             "=r,=r,=r,=r,r,r", [wd, magic], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True,
             pack=1)
+    return p0, p1, p2, p3
+
+
+@helper
+def _zp_offsets(z, BF16: tl.constexpr):
+    """Zero points z [C, R, U] (int8) -> the HFMA2 addends of _dequant_zp, uint32 registers: bf16 -(136 + z) in both
+    halves (and again); f16 -(1032 + z) and -(72 + z) (exact: integers below 2^8 / 2^11)."""
+    zf = z.to(tl.float32)
+    if BF16:
+        off = (-(136.0 + zf)).to(tl.bfloat16)
+        return _pair(off, off), _pair(off, off)
+    off = (-(1032.0 + zf)).to(tl.float16)
+    off16 = (-(72.0 + zf)).to(tl.float16)
+    return _pair(off, off), _pair(off16, off16)
+
+
+@helper
+def _dequant_zp(wd, magic, off, off16, z, BF16: tl.constexpr, EMULATE: tl.constexpr):
+    """_dequant with zero points: pair p = (q - z of nibble p, of nibble p + 4), z the row's in the block; off, off16
+    from _zp_offsets (the emulation reads z)."""
+    if EMULATE:
+        dt = tl.bfloat16 if BF16 else tl.float16
+        zf = z.to(tl.float32) + 8
+        p0 = _pair(((wd & 0xF).to(tl.float32) - zf).to(dt), (((wd >> 16) & 0xF).to(tl.float32) - zf).to(dt))
+        p1 = _pair((((wd >> 4) & 0xF).to(tl.float32) - zf).to(dt), (((wd >> 20) & 0xF).to(tl.float32) - zf).to(dt))
+        p2 = _pair((((wd >> 8) & 0xF).to(tl.float32) - zf).to(dt), (((wd >> 24) & 0xF).to(tl.float32) - zf).to(dt))
+        p3 = _pair((((wd >> 12) & 0xF).to(tl.float32) - zf).to(dt), (((wd >> 28) & 0xF).to(tl.float32) - zf).to(dt))
+    elif BF16:  # 128 + u, minus 136 + z
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            """{ .reg .b32 t, one;
+            mov.b32 one, 0x3f803f80;
+            lop3.b32 t, $4, 0x000f000f, $5, 0xea; fma.rn.bf16x2 $0, t, one, $6;
+            shr.u32 t, $4, 4; lop3.b32 t, t, 0x000f000f, $5, 0xea; fma.rn.bf16x2 $1, t, one, $6;
+            shr.u32 t, $4, 8; lop3.b32 t, t, 0x000f000f, $5, 0xea; fma.rn.bf16x2 $2, t, one, $6;
+            shr.u32 t, $4, 12; lop3.b32 t, t, 0x000f000f, $5, 0xea; fma.rn.bf16x2 $3, t, one, $6; }""",
+            "=r,=r,=r,=r,r,r,r", [wd, magic, off], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+            is_pure=True, pack=1)
+    else:  # low nibbles 1024 + u minus 1032 + z; high nibbles (1024 + 16 u) / 16 minus 72 + z
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            """{ .reg .b32 t, h, one, s16;
+            mov.b32 one, 0x3c003c00; mov.b32 s16, 0x2c002c00;
+            lop3.b32 t, $4, 0x000f000f, $5, 0xea; fma.rn.f16x2 $0, t, one, $6;
+            lop3.b32 t, $4, 0x00f000f0, $5, 0xea; fma.rn.f16x2 $1, t, s16, $7;
+            shr.u32 h, $4, 8;
+            lop3.b32 t, h, 0x000f000f, $5, 0xea; fma.rn.f16x2 $2, t, one, $6;
+            lop3.b32 t, h, 0x00f000f0, $5, 0xea; fma.rn.f16x2 $3, t, s16, $7; }""",
+            "=r,=r,=r,=r,r,r,r,r", [wd, magic, off, off16], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+            is_pure=True, pack=1)
     return p0, p1, p2, p3
 
 
@@ -199,10 +256,11 @@ def _x_pairs(x_ptr, smooth_ptr, kx, xrow, M, K, BF16: tl.constexpr, HAS_SMOOTH: 
 
 
 @helper
-def _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, kb, KP, N, IS_FP4: tl.constexpr, GROUP: tl.constexpr,
-               EVEN_K: tl.constexpr):
-    """Words [C, R, U, 4] of rows g and g+8 and their scales for the lanes' 32-k chunks kb [C, U] (0 past KP):
-    INT4 the group's [C, R, U] (fp32); NVFP4 the chunk's two 16-blocks [C, R, U, 2] (fp16; s_ptrs at row x 8)."""
+def _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, z_ptrs0, z_ptrs8, kb, KP, N, IS_FP4: tl.constexpr,
+               GROUP: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr):
+    """Words [C, R, U, 4] of rows g and g+8, their scales and zero points for the lanes' 32-k chunks kb [C, U] (0
+    past KP): INT4 the group's [C, R, U] (fp32; zero points int8, HAS_ZP, else the scales again); NVFP4 the chunk's
+    two 16-blocks [C, R, U, 2] (fp16; s_ptrs at row x 8)."""
     kw = (kb // 8)[:, None, :, None]
     if IS_FP4:  # scales [KP/128, N, 8]: tile kb // 128, blocks (kb % 128) / 16 and the next
         ks = ((kb // 128) * N * 8 + (kb % 128) // 16)[:, None, :, None] + tl.arange(0, 2)[None, None, None, :]
@@ -213,6 +271,10 @@ def _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, kb, KP, N, IS_FP4: tl.constex
         w8 = tl.load(w_ptrs8 + kw, cache_modifier=".cg")
         s0 = tl.load(s_ptrs0 + ks)
         s8 = tl.load(s_ptrs8 + ks)
+        z0, z8 = s0, s8
+        if HAS_ZP:
+            z0 = tl.load(z_ptrs0 + ks)
+            z8 = tl.load(z_ptrs8 + ks)
     else:
         inb = (kb < KP)[:, None, :]
         smask = inb[:, :, :, None] if IS_FP4 else inb
@@ -220,41 +282,54 @@ def _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, kb, KP, N, IS_FP4: tl.constex
         w8 = tl.load(w_ptrs8 + kw, mask=inb[:, :, :, None], other=0, cache_modifier=".cg")
         s0 = tl.load(s_ptrs0 + ks, mask=smask, other=0.0)
         s8 = tl.load(s_ptrs8 + ks, mask=smask, other=0.0)
+        z0, z8 = s0, s8
+        if HAS_ZP:
+            z0 = tl.load(z_ptrs0 + ks, mask=smask, other=0)
+            z8 = tl.load(z_ptrs8 + ks, mask=smask, other=0)
     if IS_FP4:
         s0 = s0.to(tl.float16)
         s8 = s8.to(tl.float16)
-    return w0.to(tl.uint32, bitcast=True), w8.to(tl.uint32, bitcast=True), s0, s8
+    return w0.to(tl.uint32, bitcast=True), w8.to(tl.uint32, bitcast=True), s0, s8, z0, z8
 
 
 @helper
-def _a_regs(wd, magic, sc, q: tl.constexpr, IS_FP4: tl.constexpr, BF16: tl.constexpr, EMULATE: tl.constexpr):
+def _a_regs(wd, magic, sc, zp, off, off16, q: tl.constexpr, IS_FP4: tl.constexpr, BF16: tl.constexpr,
+            HAS_ZP: tl.constexpr, EMULATE: tl.constexpr):
     """Word q of a lane's chunk -> its 4 A registers (pairs 0-3). NVFP4: times the block scale of word q (sc [C, R,
-    U, 2]: the chunk's two 16-blocks, words 0-1 and 2-3)."""
+    U, 2]: the chunk's two 16-blocks, words 0-1 and 2-3). INT4 zero points (HAS_ZP): zp and its _zp_offsets."""
     if IS_FP4:
         s_lo, s_hi = tl.split(sc)
         s16 = s_lo if q < 2 else s_hi
         scale2 = _pair(s16, s16)
         return (_fp4_dequant(wd, 0, scale2, EMULATE), _fp4_dequant(wd, 1, scale2, EMULATE),
                 _fp4_dequant(wd, 2, scale2, EMULATE), _fp4_dequant(wd, 3, scale2, EMULATE))
+    if HAS_ZP:
+        return _dequant_zp(wd, magic, off, off16, zp, BF16, EMULATE)
     return _dequant(wd, magic, BF16, EMULATE)
 
 
 @helper
-def _block(w0, w8, s0, s8, x_ptr, smooth_ptr, kx, xrow, M, K, magic, IS_FP4: tl.constexpr, BF16: tl.constexpr,
-           HAS_SMOOTH: tl.constexpr, MASK_X: tl.constexpr, X_TILES: tl.constexpr, EMULATE: tl.constexpr):
+def _block(w0, w8, s0, s8, z0, z8, x_ptr, smooth_ptr, kx, xrow, M, K, magic, IS_FP4: tl.constexpr,
+           BF16: tl.constexpr, HAS_ZP: tl.constexpr, HAS_SMOOTH: tl.constexpr, MASK_X: tl.constexpr,
+           X_TILES: tl.constexpr, EMULATE: tl.constexpr):
     """The chained mmas of every lane's 128-k block: w0, w8 [C, R, U, 4] words of rows g, g+8 and their scales, kx
     [C, U] the lane's first k. Returns D [C, R, U] = sum over the block of w x, fp32, scaled: d0 / d1 row g, x rows
     2t / 2t+1; d2 / d3 row g+8; with X_TILES = 2 also d4..d7, the same for x rows 8 + 2t / 8 + 2t+1 (the same A
-    registers, a second B). INT4: the group scale multiplies D; NVFP4: the block scales are in A."""
+    registers, a second B). INT4: the group scale multiplies D; NVFP4: the block scales are in A. z0, z8: INT4 zero
+    points (HAS_ZP) [C, R, U], subtracted from the codes in A."""
     z = tl.zeros(w0.shape[:3], tl.float32)
     d0, d1, d2, d3, d4, d5, d6, d7 = z, z, z, z, z, z, z, z
     g0 = split4(w0)
     g8 = split4(w8)
+    o0, o0h, o8, o8h = magic, magic, magic, magic  # the zero points' HFMA2 addends (HAS_ZP)
+    if HAS_ZP:
+        o0, o0h = _zp_offsets(z0, BF16)
+        o8, o8h = _zp_offsets(z8, BF16)
     for q in tl.static_range(4):  # word q of the lane: k = kx + 8q .. + 7
         kq = kx[:, :, None] + 8 * q + tl.arange(0, 8)[None, None, :]
         b0, b1, b2, b3 = _x_pairs(x_ptr, smooth_ptr, kq, xrow, M, K, BF16, HAS_SMOOTH, MASK_X)
-        e0, e1, e2, e3 = _a_regs(g0[q], magic, s0, q, IS_FP4, BF16, EMULATE)
-        f0, f1, f2, f3 = _a_regs(g8[q], magic, s8, q, IS_FP4, BF16, EMULATE)
+        e0, e1, e2, e3 = _a_regs(g0[q], magic, s0, z0, o0, o0h, q, IS_FP4, BF16, HAS_ZP, EMULATE)
+        f0, f1, f2, f3 = _a_regs(g8[q], magic, s8, z8, o8, o8h, q, IS_FP4, BF16, HAS_ZP, EMULATE)
         d0, d1, d2, d3 = _mma(e0, f0, e1, f1, b0, b1, d0, d1, d2, d3, BF16, EMULATE)
         d0, d1, d2, d3 = _mma(e2, f2, e3, f3, b2, b3, d0, d1, d2, d3, BF16, EMULATE)
         if X_TILES == 2:
@@ -268,8 +343,9 @@ def _block(w0, w8, s0, s8, x_ptr, smooth_ptr, kx, xrow, M, K, magic, IS_FP4: tl.
 
 
 @kernel
-def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K, KP, w_stride, global_scale, magic,
-                   IS_FP4: tl.constexpr, BF16: tl.constexpr, GROUP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K, KP, w_stride, global_scale,
+                   magic, IS_FP4: tl.constexpr, BF16: tl.constexpr, GROUP: tl.constexpr, HAS_ZP: tl.constexpr,
+                   HAS_SMOOTH: tl.constexpr,
                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WARPS: tl.constexpr,
                    EVEN_K: tl.constexpr, MASK_X: tl.constexpr, X_TILES: tl.constexpr, EMULATE: tl.constexpr,
                    PDL: tl.constexpr):
@@ -298,18 +374,22 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K, 
     else:
         s_ptrs0 = s_ptr + r0[:, :, None]
         s_ptrs8 = s_ptr + r8[:, :, None]
+    z_ptrs0 = z_ptr + r0[:, :, None]  # INT4 zero points (HAS_ZP), the scales' layout
+    z_ptrs8 = z_ptr + r8[:, :, None]
     acc0e = tl.zeros((C, R, U), tl.float32)  # weight row g, x row 2t
     acc0o, acc8e, acc8o = acc0e, acc0e, acc0e  # row g, x row 2t+1; row g+8, x rows 2t / 2t+1
     bcc0e, bcc0o, bcc8e, bcc8o = acc0e, acc0e, acc0e, acc0e  # the same for x rows 8 + 2t, 8 + 2t+1 (X_TILES = 2)
     n_steps = tl.cdiv(KP, BLOCK_K)
-    w0, w8, s0, s8 = _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, kl, KP, N, IS_FP4, GROUP, EVEN_K)
+    w0, w8, s0, s8, z0, z8 = _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, z_ptrs0, z_ptrs8, kl, KP, N, IS_FP4, GROUP,
+                                        HAS_ZP, EVEN_K)
     wait_for_producers(PDL)
     for kb in range(0, n_steps):
         k0 = kb * BLOCK_K
         nxt = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
-        w0n, w8n, s0n, s8n = _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, nxt + kl, KP, N, IS_FP4, GROUP, EVEN_K)
-        d0, d1, d2, d3, d4, d5, d6, d7 = _block(w0, w8, s0, s8, x_ptr, smooth_ptr, k0 + kl, g, M, K, mg, IS_FP4,
-                                                BF16, HAS_SMOOTH, MASK_X, X_TILES, EMULATE)
+        w0n, w8n, s0n, s8n, z0n, z8n = _load_step(w_ptrs0, w_ptrs8, s_ptrs0, s_ptrs8, z_ptrs0, z_ptrs8, nxt + kl, KP,
+                                                  N, IS_FP4, GROUP, HAS_ZP, EVEN_K)
+        d0, d1, d2, d3, d4, d5, d6, d7 = _block(w0, w8, s0, s8, z0, z8, x_ptr, smooth_ptr, k0 + kl, g, M, K, mg,
+                                                IS_FP4, BF16, HAS_ZP, HAS_SMOOTH, MASK_X, X_TILES, EMULATE)
         acc0e += d0
         acc0o += d1
         acc8e += d2
@@ -319,7 +399,7 @@ def _w4_mma_kernel(x_ptr, w_ptr, s_ptr, smooth_ptr, bias_ptr, out_ptr, M, N, K, 
             bcc0o += d5
             bcc8e += d6
             bcc8o += d7
-        w0, w8, s0, s8 = w0n, w8n, s0n, s8n
+        w0, w8, s0, s8, z0, z8 = w0n, w8n, s0n, s8n, z0n, z8n
     _store(acc0e, rows0, 2 * t, bias_ptr, out_ptr, M, N, global_scale, HAS_BIAS)
     _store(acc0o, rows0, 2 * t + 1, bias_ptr, out_ptr, M, N, global_scale, HAS_BIAS)
     _store(acc8e, rows8, 2 * t, bias_ptr, out_ptr, M, N, global_scale, HAS_BIAS)

@@ -1,10 +1,14 @@
-"""Zero-point int4 (W4A16_ZP) on the symmetric W4 kernels: y = W_sym x - correction, the correction in fp32.
+"""Zero-point int4 (W4A16_ZP) on the W4 kernels: where the routes give the GEMV or w4_mma, it subtracts the zero
+points from the codes itself (lowbit.kernels.linear.w4_gemv / w4_mma, routes "zp_gemv" / "zp_mma": one launch, no
+correction); elsewhere the symmetric kernels run and a correction in fp32 follows: y = W_sym x - correction.
 
 With codes q in [-8, 7], zero points z and scales s per (row n, group g):
     y[m, n] = sum_k (q - z) s x[m, k] = (W_sym x)[m, n] - sum_g zs[g, n] * S[m, g],
 where W_sym = q * s is what every W4 kernel computes (nibble u = q + 8), zs = s * z fp32 [K/group, N] (built once at
 load) and S[m, g] = sum of x's group g (after pre_quant_scale, rounded to x's dtype as the kernels round it).
-routes.ZERO_POINT picks how the correction joins the W4 kernel's output:
+routes.ZERO_POINT picks how the zero points join the W4 kernel's output:
+- "zp_gemv" / "zp_mma": no correction: the kernel reads z (int8 [KP/group, N], the scales' layout) and sums
+  (q - z) x (the GEMV per 32-wide chunk in fp32, w4_mma with q - z in the mma's A registers);
 - "zp_bias": one x row: bias - S @ zs is an fp32 vector [N], passed to the W4 kernel as its bias (every W4 kernel
   adds an fp32 bias before rounding), so the cancellation of the two terms happens in fp32 inside the kernel;
 - "zp_add": a few rows: one Triton launch adds -S @ zs to the W4 kernel's output in place (fp32 math, one rounding);
@@ -16,6 +20,7 @@ import torch
 
 from lowbit.kernels import routes
 from lowbit.kernels._triton import cdiv, kernel, next_pow2, tl, wait_for_producers
+from lowbit.kernels.linear import w4_gemv, w4_mma
 
 CHUNK = 128  # x elements summed per chunk: a group is one chunk (groups of 16-128) or several (multiples of 128)
 BLOCK_N = 128
@@ -43,7 +48,12 @@ def zp_gemm(x: torch.Tensor, w, bias, sym_gemm) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype for a W4Weight w with zero points; sym_gemm(x, bias) runs the symmetric
     W4 kernel on w's codes and scales (lowbit.kernels.linear.w4a16)."""
     M = x.shape[0]
-    how = routes.route("zero_point", w.fmt, M, w.out_features, w.in_features, None, group=w.group)
+    how = routes.route("zero_point", w.fmt, M, w.out_features, w.in_features, None, group=w.group,
+                       x16=x.dtype in (torch.bfloat16, torch.float16))
+    if how == "zp_gemv":
+        return w4_gemv.w4_gemv(x, w, bias, zero_point=w.zero_point)
+    if how == "zp_mma":
+        return w4_mma.w4_mma(x, w, bias, zero_point=w.zero_point)
     if how == "zp_bias":
         return sym_gemm(x, correct(x, w, bias))
     y = sym_gemm(x, bias)

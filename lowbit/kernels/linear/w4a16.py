@@ -6,8 +6,9 @@ Kernel layout (built once at load by pack_int4 / pack_nvfp4; the on-disk layout 
   byte's two nibbles (_byte_nibbles), so Triton loads the bytes straight into the registers of the dot's A operand.
   Two words are one NVFP4 block of 16.
 - INT4: nibble = q + 8 (q in [-8, 7]); scales fp32 [KP/group, N] (transposed: one contiguous row per group).
-  With zero points (W4A16_ZP, w = (q - z) * s): the same codes and scales, plus z and zs = s * z fp32 [K/group, N];
-  the kernels compute q * s and lowbit.kernels.linear.w4_zero_point subtracts the group-sum correction.
+  With zero points (W4A16_ZP, w = (q - z) * s): the same codes and scales, plus z int8 [KP/group, N] (the scales'
+  layout; padding 0), which the GEMV and w4_mma subtract from the codes themselves, and zs = s * z fp32
+  [K/group, N] for the other kernels, which compute q * s and are corrected by lowbit.kernels.linear.w4_zero_point.
 - NVFP4: nibble = e2m1 code; scales float8_e4m3fn [KP/128, N, 8] (a row's 8 block scales of a tile are 8 contiguous
   bytes); global_scale = weight_scale_2 as a Python float.
 The kernel computes out^T tiles (acc [BLOCK_N, BLOCK_M] = W_tile @ x_tile^T) so that small M sits in the MMA's
@@ -36,7 +37,7 @@ class W4Weight:
     group: int  # int4 group size along K; 16 for nvfp4
     global_scale: float = 1.0
     smooth: torch.Tensor | None = None  # pre_quant_scale [K], applied to x (rounded to x's dtype) before the GEMM
-    zero_point: torch.Tensor | None = None  # int4 zero points z in [-8, 7], fp32 [K/group, N]; None: symmetric
+    zero_point: torch.Tensor | None = None  # int4 zero points z in [-8, 7], int8 [KP/group, N]; None: symmetric
     zero_scale: torch.Tensor | None = None  # scale * zero_point, fp32 [K/group, N] (w4_zero_point's correction)
 
 
@@ -88,7 +89,7 @@ def pack_int4(weight, weight_scale, pre_quant_scale=None, zero_point=None) -> W4
     if zero_point is not None:
         if zero_point.shape != weight_scale.shape:
             raise ValueError(f"zero points {tuple(zero_point.shape)} != scales {tuple(weight_scale.shape)}")
-        w.zero_point = zero_point.float().t().contiguous()
+        w.zero_point = _pad_k(zero_point.to(torch.int8), cdiv(kp, group), 0).t().contiguous()
         w.zero_scale = w4_zero_point.zero_scale(weight_scale, zero_point)
     return w
 
@@ -111,7 +112,8 @@ def dequantize_w4(w: W4Weight) -> torch.Tensor:
         s = w.scales.t()[:, : w.in_features // w.group].float().repeat_interleave(w.group, dim=1)
         q = u.float() - 8
         if w.zero_point is not None:
-            q = q - w.zero_point.t().repeat_interleave(w.group, dim=1)
+            z = w.zero_point.t()[:, : w.in_features // w.group].float()
+            q = q - z.repeat_interleave(w.group, dim=1)
         return q * s
     block_scale = w.scales.permute(1, 0, 2).reshape(w.out_features, -1)[:, : w.in_features // NVFP4_BLOCK]
     return nvfp4_dequantize(u, block_scale, torch.tensor(w.global_scale))
@@ -289,8 +291,8 @@ def choose_config(M: int, N: int, KP: int, fmt: str = "int4"):
 def w4a16_gemm(x, w: W4Weight, bias=None, config=None):
     """x [M, K] bf16/fp16 -> [M, N] in x's dtype, on the kernel lowbit.kernels.routes picks: w4_mma, the CUDA-core
     GEMV (w4_gemv), the dequantized weight through cuBLAS (w4_dequant), w4_small_m or the tensor-core kernel below
-    (which an explicit tensor-core `config` runs directly). Zero points: that kernel on q * s, corrected by
-    w4_zero_point."""
+    (which an explicit tensor-core `config` runs directly). Zero points: as routes.ZERO_POINT says
+    (lowbit.kernels.linear.w4_zero_point)."""
     if not use_triton(x):
         return w4a16_gemm_ref(x, w, bias)
     if w.zero_point is not None:
