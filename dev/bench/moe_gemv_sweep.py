@@ -37,7 +37,9 @@ ALGO = {"fp8": formats.FP8, "int8": formats.W8A8_SQ_PER_CHANNEL, "int4": formats
 BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 4 / 128}  # int4: an fp32 scale per group
 CALLS = 8  # layer calls per graph replay, each on its own routing (--tiny: 2)
 REL_TOL = 2e-2  # bf16 / fp16: each GEMV and the activation round once; relative to the output's largest magnitude
-INTERP_FP8_TOL = 0.2  # the interpreter's fp32 -> fp8 cast is wrong on a few % of values (tests/test_kernels_moe_fp8)
+# the interpreter's fp32 -> fp8 cast is wrong on a few % of values: there fp8 is compared by norm, as
+# tests/test_kernels_moe_fp8 does (measured 0.10-0.15 of the output's norm)
+INTERP_FP8_TOL = 0.2
 # baseline first; narrow row blocks with long K steps (the dense GEMV's shape), wider warps, split K for more programs
 VARIANTS = ((32, 128, 4, 1), (16, 256, 4, 1), (16, 512, 4, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (4, 1024, 4, 1),
             (4, 2048, 4, 1), (8, 1024, 8, 1), (16, 512, 8, 1), (32, 256, 8, 1), (64, 128, 4, 1), (8, 256, 2, 1),
@@ -59,9 +61,8 @@ def experts(fmt: str, s: dict, device, gen) -> tuple:
         smooth = [0.5 + torch.rand(k, device=device, generator=gen) for k in (h, i)]
         parts.append([f.quantize(w[e], group=s["group"], smooth=m, x_amax=amax)
                       for w, m, amax in ((w13, smooth[0], 2 + 4 * spread), (w2, smooth[1], 0.5 + spread))])
-    stack = lambda j, key, rows=None: torch.stack([  # noqa: E731
-        p[j][key].float().reshape(-1).expand(rows) if rows else p[j][key].float().reshape(p[j][key].shape).squeeze()
-        for p in parts]).to(device)
+    stack = lambda j, key, rows=None: torch.stack([  # noqa: E731  (rows: a per-tensor scale repeated per row)
+        p[j][key].float().reshape(-1).expand(rows) if rows else p[j][key].float().squeeze() for p in parts]).to(device)
     weights = (torch.stack([p[0]["weight"] for p in parts]).to(device),
                torch.stack([p[1]["weight"] for p in parts]).to(device))
     if fmt == "fp8":
@@ -93,6 +94,13 @@ def effective(fmt: str, variant: tuple, group: int) -> tuple:
     return (block_n, int4_block_k(group, block_k), warps, split) if fmt == "int4" else variant
 
 
+def rel_err(out: torch.Tensor, ref: torch.Tensor, by_norm: bool) -> float:
+    """Largest error relative to the reference's largest magnitude (by_norm: ||out - ref|| / ||ref||)."""
+    if by_norm:
+        return ((out - ref).norm() / ref.norm()).item()
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
 def layer_bytes(fmt: str, ids: torch.Tensor, s: dict) -> float:
     return torch.unique(ids).numel() * 3 * s["inter"] * s["hidden"] * BYTES_PER_WEIGHT[fmt]
 
@@ -114,7 +122,8 @@ def sweep(fmt: str, args, s: dict, device, gen) -> bool:
         cases = routings(t, s, w13.dtype if fmt == "bf16" else args.x_dtype, device, gen)
         refs = [fused_moe_ref(x, w13, w2, ids, wts, **scales).float() for x, ids, wts in cases]
         gbytes = sum(layer_bytes(fmt, ids, s) for _, ids, _ in cases) / len(cases) / 1e9
-        tol = INTERP_FP8_TOL if fmt == "fp8" and interpreting() else REL_TOL
+        by_norm = fmt == "fp8" and interpreting()
+        tol = INTERP_FP8_TOL if by_norm else REL_TOL
         results, seen = [], set()
         for variant in args.variants:
             config = effective(fmt, variant, s["group"])
@@ -124,8 +133,7 @@ def sweep(fmt: str, args, s: dict, device, gen) -> bool:
             with tuning.override(moe_gemv_config=tuning.frozen({**tuning.current().moe_gemv_config, kind: config})):
                 calls = [lambda c=c: fused_moe_triton(c[0], w13, w2, c[1], c[2], path="moe_gemv", **scales)
                          for c in cases]
-                err = max(((call().float() - ref).abs().max() / ref.abs().max()).item()
-                          for call, ref in zip(calls, refs))
+                err = max(rel_err(call().float(), ref, by_norm) for call, ref in zip(calls, refs))
                 if not err <= tol:
                     ok = False
                     print(f"{fmt:5s} {t:2d} tok  {str(config):22s} FAIL max rel err {err:.1e} > {tol}", flush=True)
@@ -134,7 +142,7 @@ def sweep(fmt: str, args, s: dict, device, gen) -> bool:
             results.append((us, config))
             print(f"{fmt:5s} {t:2d} tok  {str(config):22s} {us:9.1f} us {gbytes / (us * 1e-6):8.1f} GB/s  "
                   f"err {err:.1e}", flush=True)
-        if results:
+        if results and device == "cuda":
             us, best = min(results)
             base = next((u for u, c in results if c == effective(fmt, args.variants[0], s["group"])), float("nan"))
             print(f"# best {fmt} {t} tok: {best} {us:.1f} us, {gbytes / (us * 1e-6):.1f} GB/s "
@@ -162,7 +170,7 @@ def main() -> int:
     where = "CPU interpreter" if args.tiny else torch.cuda.get_device_name()
     print(f"# moe_gemv_sweep {where} {datetime.date.today()} torch {torch.__version__}; H={s['hidden']} "
           f"I={s['inter']} E={s['experts']} top-{s['top_k']}; config (BLOCK_N, BLOCK_K, warps, splits); "
-          f"{CALLS} routings per replay", flush=True)
+          f"{CALLS if device == 'cuda' else 2} routings per replay", flush=True)
     t0 = time.time()
     ok = all([sweep(fmt, args, s, device, gen) for fmt in args.formats])
     print(f"# {time.time() - t0:.1f} s", flush=True)
