@@ -12,7 +12,8 @@ against fused_moe_ref (max error relative to the largest output) before it is ti
 FAIL and not timed, and the script exits 1. Time: median per layer call of CUDA-graph replays, each replay running
 CALLS layer calls on different random routings (the experts' weights stream from HBM, not L2). GB/s: the routed
 experts' weight bytes (gate/up and down, scales included) per call over its time. The fastest variant per (format,
-tokens) ends each block, the row to put in lowbit/kernels/tuning/sm90.py's moe_gemv_config.
+tokens) ends each block; per format, the variant with the least time summed over the token counts is printed as the
+line to put in lowbit/kernels/tuning/sm90.py's moe_gemv_config.
 """
 import argparse
 import datetime
@@ -114,10 +115,19 @@ def time_layer(calls: list, reps: int) -> float:
     return time_us(calls, reps)
 
 
+def check_and_time(kind: str, config: tuple, calls: list, refs: list, by_norm: bool, tol: float, reps: int):
+    """With moe_gemv_config[kind] = config: (largest error of the calls against refs, us per call, or None when the
+    error is over tol)."""
+    with tuning.override(moe_gemv_config=tuning.frozen({**tuning.current().moe_gemv_config, kind: config})):
+        err = max(rel_err(call().float(), ref, by_norm) for call, ref in zip(calls, refs))
+        return err, (time_layer(calls, reps) if err <= tol else None)
+
+
 def sweep(fmt: str, args, s: dict, device, gen) -> bool:
     """Prints one block per token count; -> every variant passed its check."""
     w13, w2, scales = experts(fmt, s, device, gen)
     kind, ok = KIND[fmt], True
+    totals: dict = {}  # config -> us at each token count it passed
     for t in args.tokens:
         cases = routings(t, s, w13.dtype if fmt == "bf16" else args.x_dtype, device, gen)
         refs = [fused_moe_ref(x, w13, w2, ids, wts, **scales).float() for x, ids, wts in cases]
@@ -130,16 +140,15 @@ def sweep(fmt: str, args, s: dict, device, gen) -> bool:
             if config in seen:
                 continue
             seen.add(config)
-            with tuning.override(moe_gemv_config=tuning.frozen({**tuning.current().moe_gemv_config, kind: config})):
-                calls = [lambda c=c: fused_moe_triton(c[0], w13, w2, c[1], c[2], path="moe_gemv", **scales)
-                         for c in cases]
-                err = max(rel_err(call().float(), ref, by_norm) for call, ref in zip(calls, refs))
-                if not err <= tol:
-                    ok = False
-                    print(f"{fmt:5s} {t:2d} tok  {str(config):22s} FAIL max rel err {err:.1e} > {tol}", flush=True)
-                    continue
-                us = time_layer(calls, args.reps)
+            calls = [lambda c=c: fused_moe_triton(c[0], w13, w2, c[1], c[2], path="moe_gemv", **scales)
+                     for c in cases]
+            err, us = check_and_time(kind, config, calls, refs, by_norm, tol, args.reps)
+            if us is None:
+                ok = False
+                print(f"{fmt:5s} {t:2d} tok  {str(config):22s} FAIL max rel err {err:.1e} > {tol}", flush=True)
+                continue
             results.append((us, config))
+            totals.setdefault(config, []).append(us)
             print(f"{fmt:5s} {t:2d} tok  {str(config):22s} {us:9.1f} us {gbytes / (us * 1e-6):8.1f} GB/s  "
                   f"err {err:.1e}", flush=True)
         if results and device == "cuda":
@@ -147,6 +156,11 @@ def sweep(fmt: str, args, s: dict, device, gen) -> bool:
             base = next((u for u, c in results if c == effective(fmt, args.variants[0], s["group"])), float("nan"))
             print(f"# best {fmt} {t} tok: {best} {us:.1f} us, {gbytes / (us * 1e-6):.1f} GB/s "
                   f"({base / us:.2f}x the first variant)", flush=True)
+    every = {c: sum(us) for c, us in totals.items() if len(us) == len(args.tokens)}
+    if every and device == "cuda":  # one config per kind: the least time summed over the token counts
+        best = min(every, key=every.get)
+        print(f"# {fmt} over {args.tokens} tokens: {best} sums {every[best]:.1f} us -> sm90.py moe_gemv_config"
+              f"[{kind!r}] = {best}", flush=True)
     return ok
 
 
