@@ -82,6 +82,16 @@ def test_int8_fused_matches_reference(dtype, path, t, top_k):
 
 
 @interpreter_only
+def test_int8_grouped_with_block_crossing_runs():
+    """80 pairs over 4 experts: every expert's run spans two 16-row blocks."""
+    x, w13, w2, ids, weights, scales, _ = int8_problem(40, 32, 16, 4, 2, seed=3)
+    out = fused_moe_triton(x, w13, w2, ids, weights, int8=scales, path="moe_grouped")
+    ref = fused_moe_ref(x, w13, w2, ids, weights, int8=scales)
+    assert int(torch.bincount(ids.reshape(-1)).min()) > 16
+    assert (out - ref).abs().max() <= TOL[torch.float32] * ref.abs().max()
+
+
+@interpreter_only
 @pytest.mark.parametrize("config", [(16, 32, 1, 1), (8, 16, 2, 3), (32, 64, 4, 2)])
 def test_int8_gemv_tiles_and_split_k(config):
     """K = 80 is not a multiple of BLOCK_K: masked last steps; split 3 of 16-wide steps: ranges of 32, 32, 16."""
