@@ -105,8 +105,27 @@ def test_tiny_nvfp4_dummy_serves_on_cpu():
     assert together[1] == greedy(engine, prompts[1:2], 4)[0] and all(len(t) == 4 for t in together)
 
 
+def test_tiny_w8a8_sq_dummy_serves_on_cpu():
+    """INT8 SmoothQuant experts from the dummy checkpoint load as int8 with a scale per output row, each expert's
+    input scale and pre_quant_scale, and a request served alone gives the tokens it gives in a batch."""
+    from lowbit.serve.engine.config import EngineConfig
+    from lowbit.serve.engine.engine import Engine
+    from lowbit.bench.serve_bench import DummyTokenizer, greedy
+
+    ckpt = dummy_checkpoint("w8a8_sq", TINY_MOE, device="cpu", std=0.2)
+    engine = Engine(ckpt.path, EngineConfig(max_batch_size=4, max_num_tokens=64, device="cpu", dtype="float32",
+                                            num_kv_blocks=64), ckpt=ckpt, tokenizer=DummyTokenizer())
+    experts = engine.runner.model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == torch.int8 and tuple(experts.w13.shape) == (4, 64, 64)
+    assert experts.int8.w13_scale.shape == (4, 64) and experts.int8.a2_scale.shape == (4,)
+    assert experts.int8.w13_smooth.shape == (4, 64) and experts.int8.w2_smooth.shape == (4, 32)
+    prompts = [[(5 * i + n) % 250 + 3 for i in range(n)] for n in (3, 21, 40)]
+    together = greedy(engine, prompts, 4)
+    assert together[1] == greedy(engine, prompts[1:2], 4)[0] and all(len(t) == 4 for t in together)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4_awq", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4_awq", "nvfp4", "w8a8_sq"])
 def test_qwen3_moe_kernels_and_graphs_match_reference_path_on_gpu(fmt):
     from lowbit.bench import serve_bench as bench
 

@@ -1,16 +1,19 @@
 """The fused MoE kernels compiled for the GPU (bf16 activations) against the torch reference, for every expert format
-(16-bit, static FP8, per-token FP8, INT4, NVFP4) on both paths (per-pair GEMV, grouped GEMM), at shapes with several K tiles,
-N not a multiple of the column block, and an expert whose run spans several row blocks."""
+(16-bit, static FP8, per-token FP8, INT8 SmoothQuant, INT4, NVFP4) on both paths (per-pair GEMV, grouped GEMM), at shapes
+with several K tiles, N not a multiple of the column block, and an expert whose run spans several row blocks; the GEMV
+also with other tiles and split K."""
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from lowbit.kernels import tuning  # noqa: E402
 from lowbit.kernels.moe.fused_moe import fused_moe_ref, fused_moe_triton  # noqa: E402
 from test_kernels_moe import problem  # noqa: E402
 from test_kernels_moe_fp8 import fp8_problem  # noqa: E402
 from test_kernels_moe_fp8_per_token import problem as per_token_problem  # noqa: E402
 from test_kernels_moe_int4 import int4_problem  # noqa: E402
+from test_kernels_moe_int8 import int8_problem  # noqa: E402
 from test_kernels_moe_nvfp4 import nvfp4_problem  # noqa: E402
 
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -28,6 +31,9 @@ def case(fmt: str, t: int):
     elif fmt == "int4":
         x, w13, w2, ids, w, scales, _ = int4_problem(t, hidden, inter, experts, top_k, group=32, seed=t)
         kw = {"int4": scales}
+    elif fmt == "int8":
+        x, w13, w2, ids, w, scales, _ = int8_problem(t, hidden, inter, experts, top_k, seed=t)
+        kw = {"int8": scales}
     elif fmt == "nvfp4":
         x, w13, w2, ids, w, scales, _ = nvfp4_problem(t, hidden, inter, experts, top_k, seed=t)
         kw = {"nvfp4": scales}
@@ -42,9 +48,22 @@ def case(fmt: str, t: int):
 
 @gpu_only
 @pytest.mark.parametrize("path", ["moe_gemv", "moe_grouped"])
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_per_token", "int4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_per_token", "int8", "int4", "nvfp4"])
 @pytest.mark.parametrize("t", [1, 3, 40])
 def test_gpu_fused_moe_matches_reference(fmt, path, t):
+    check(fmt, path, t)
+
+
+@gpu_only
+@pytest.mark.parametrize("config", [(8, 512, 4, 1), (16, 128, 8, 3), (4, 1024, 2, 2)])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int8", "int4"])
+def test_gpu_gemv_tiles_and_split_k(fmt, config):
+    kind = {"bf16": "dense"}.get(fmt, fmt)
+    with tuning.override(moe_gemv_config=tuning.frozen({**tuning.current().moe_gemv_config, kind: config})):
+        check(fmt, "moe_gemv", 3)
+
+
+def check(fmt: str, path: str, t: int):
     x, w13, w2, ids, weights, kw = case(fmt, t)
     out = fused_moe_triton(x, w13, w2, ids, weights, path=path, **kw)
     ref = fused_moe_ref(x.float(), w13.float() if fmt == "bf16" else w13, w2.float() if fmt == "bf16" else w2, ids,

@@ -1,5 +1,5 @@
-"""Mixtral through modelopt's calibration and export (fp8, int4_awq; attention left 16-bit, so the experts are what
-is compared): the checkpoint names the experts as Mixtral checkpoints do (`block_sparse_moe.experts.{e}.w1/w3/w2`,
+"""Mixtral through modelopt's calibration and export (fp8, int4_awq, w8a8_sq; attention left 16-bit, so the experts
+are what is compared): the checkpoint names the experts as Mixtral checkpoints do (`block_sparse_moe.experts.{e}.w1/w3/w2`,
 while transformers 5's module is `mlp`), lowbit's reader against modelopt's fake-quant model, the engine against the
 reader."""
 import dataclasses
@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 EXPERTS = 4
 
 
-@pytest.fixture(scope="module", params=["fp8", "int4_awq"])
+@pytest.fixture(scope="module", params=["fp8", "int4_awq", "w8a8_sq"])
 def exported(request, tmp_path_factory):
     torch.manual_seed(0)
     src = tmp_path_factory.mktemp("mixtral")
@@ -71,4 +71,4 @@ def test_reader_matches_modelopt_fake_quant(exported):
 def test_engine_matches_reader(exported):
     llm = check_against_reference(exported[0], max_num_tokens=16)
     experts = llm.engine.runner.model.model.layers[0].block_sparse_moe.experts
-    assert experts.w13.dtype in (torch.float8_e4m3fn, torch.uint8)
+    assert experts.w13.dtype in (torch.float8_e4m3fn, torch.uint8, torch.int8)

@@ -1,6 +1,7 @@
 """Quantized experts of tiny Qwen3-MoE and Mixtral checkpoints, quantized by lowbit's format registry in modelopt's
 per-expert layout (the rest 16-bit): W4A16 INT4 with per-expert AWQ pre_quant_scales, static per-tensor FP8 with
-per-expert input scales, FP8 with per-channel weights and per-token activations. The engine against the reference
+per-expert input scales, FP8 with per-channel weights and per-token activations, INT8 W8A8 SmoothQuant with
+per-expert pre_quant_scales and input scales. The engine against the reference
 reader, and the loader's refusal of gate and up that do not share their smoothing."""
 import shutil
 
@@ -11,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Qwe
 
 from lowbit import formats
 from lowbit.formats.w4a16_awq import W4A16_AWQ
+from lowbit.formats.w8a8_sq import W8A8_SQ_PER_CHANNEL
 from lowbit.models import DEFAULT_MODEL, resolve
 from lowbit.quantize.auto_write import write_mixed
 from lowbit.serve import LLM
@@ -31,10 +33,14 @@ CONFIGS = {
 
 def quantize_part(fmt, w, e: int, part: int, smooth):
     """One expert linear's on-disk tensors: INT4 with `smooth` as pre_quant_scale; FP8 static with an input scale
-    per expert (gate and up share it, down has its own); FP8 per token as the format quantizes it."""
+    per expert (gate and up share it, down has its own); FP8 per token as the format quantizes it; INT8 SmoothQuant
+    with both."""
     if fmt is W4A16_AWQ:
         return fmt.quantize(w, group=GROUP, smooth=smooth.clone())
-    return fmt.quantize(w, x_amax=(1.0 + 0.5 * e) if part < 2 else (0.2 + 0.1 * e))
+    x_amax = (1.0 + 0.5 * e) if part < 2 else (0.2 + 0.1 * e)
+    if fmt is W8A8_SQ_PER_CHANNEL:
+        return fmt.quantize(w, smooth=smooth.clone(), x_amax=x_amax)
+    return fmt.quantize(w, x_amax=x_amax)
 
 
 def experts_checkpoint(out, family: str, fmt=W4A16_AWQ, unmergeable: bool = False):
@@ -95,3 +101,14 @@ def test_fp8_engine_matches_reader(family, fmt, tmp_path):
         assert experts.fp8.a13_scale.unique().numel() == EXPERTS
     else:  # per channel: scales differ within an expert's rows
         assert experts.fp8.w13_scale[0].unique().numel() > 2
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_int8_engine_matches_reader(family, tmp_path):
+    path = experts_checkpoint(tmp_path / family, family, W8A8_SQ_PER_CHANNEL)
+    llm = check_against_reference(path, max_num_tokens=16)
+    layer = llm.engine.runner.model.model.layers[0]
+    experts = getattr(layer, layer.mlp_name).experts
+    assert experts.w13.dtype == torch.int8 and experts.int8.w13_scale.shape == (EXPERTS, 64)
+    assert experts.int8.a13_scale.unique().numel() == EXPERTS  # each expert's own input scale
+    assert experts.int8.w13_smooth.unique().numel() > 64  # and its own smoothing

@@ -1,10 +1,12 @@
 """Fused MoE (lowbit.kernels.moe) against a per-expert loop of lowbit's own linear kernels at Qwen3-30B-A3B's expert
 shapes (hidden 2048, moe_intermediate 768, 128 experts, top-8), for every expert format: bf16, fp8 (per-tensor
 weight scales, each expert its own input scale), fp8_pt (per-channel weight scales, per-token activations:
-fp8_dynamic), int4 (W4A16 AWQ, group 128, each expert its own pre_quant_scale) and nvfp4 (W4A16 NVFP4: e2m1 codes,
+fp8_dynamic), int8 (W8A8 SmoothQuant: per-channel int8 weights, each expert its own pre_quant_scale and static
+input scale), int4 (W4A16 AWQ, group 128, each expert its own pre_quant_scale) and nvfp4 (W4A16 NVFP4: e2m1 codes,
 e4m3 scales per 16, weight-only).
 
-    python3 dev/bench/moe_kernel.py [--formats bf16 fp8 fp8_pt int4 nvfp4] [--batches 1 2 4 8 16 64 256] [--iters 50]
+    python3 dev/bench/moe_kernel.py [--formats bf16 fp8 fp8_pt int8 int4 nvfp4] [--batches 1 2 4 8 16 64 256]
+                                    [--iters 50]
 
 Each (format, batch): the fused kernels first checked against fused_moe_ref (max error relative to the largest
 output), then timed three ways: as routed (routes' op "moe" picks the GEMV or the grouped GEMM), both paths forced,
@@ -20,20 +22,21 @@ import torch
 
 from lowbit import formats, kernels
 from lowbit.kernels import routes, tuning
-from lowbit.kernels.moe.fused_moe import Fp8Scales, Int4Scales, Nvfp4Scales, combine, fused_moe_ref, fused_moe_triton
+from lowbit.kernels.moe.fused_moe import (Fp8Scales, Int4Scales, Int8Scales, Nvfp4Scales, combine, fused_moe_ref,
+                                          fused_moe_triton)
 from lowbit.kernels.ops.activation import silu_and_mul
 
 HIDDEN, INTER, EXPERTS, TOP_K, GROUP = 2048, 768, 128, 8, 128
 REL_TOL = 2e-2  # bf16: each GEMM and the activation round to bf16 once; relative to the output's largest magnitude
 ALGO = {"bf16": None, "fp8": formats.FP8.name, "fp8_pt": formats.FP8_PER_CHANNEL_PER_TOKEN.name,
-        "int4": formats.W4A16_AWQ.name, "nvfp4": formats.W4A16_NVFP4.name}
+        "int8": formats.W8A8_SQ_PER_CHANNEL.name, "int4": formats.W4A16_AWQ.name, "nvfp4": formats.W4A16_NVFP4.name}
 # int4: a nibble + an fp32 scale per group; nvfp4: a nibble + an e4m3 scale per 16
-BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0, "fp8_pt": 1.0, "int4": 0.5 + 4 / GROUP, "nvfp4": 0.5 + 1 / 16}
+BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0, "fp8_pt": 1.0, "int8": 1.0, "int4": 0.5 + 4 / GROUP, "nvfp4": 0.5 + 1 / 16}
 
 
 def expert_tensors(fmt: str, gen: torch.Generator) -> list:
     """Per expert, on-disk tensors of (merged gate/up, down) in format fmt, quantized on the GPU from random weights;
-    per-expert input scales (fp8) and pre_quant_scales (int4) that differ from expert to expert."""
+    per-expert input scales (fp8, int8) and pre_quant_scales (int8, int4) that differ from expert to expert."""
     out = []
     for e in range(EXPERTS):
         w13 = torch.randn(2 * INTER, HIDDEN, device="cuda", generator=gen) / HIDDEN ** 0.5
@@ -43,15 +46,16 @@ def expert_tensors(fmt: str, gen: torch.Generator) -> list:
             continue
         f = formats.get(ALGO[fmt])
         spread = e / (EXPERTS - 1)
-        smooth13 = 0.5 + torch.rand(HIDDEN, device="cuda", generator=gen) if fmt == "int4" else None
-        smooth2 = 0.5 + torch.rand(INTER, device="cuda", generator=gen) if fmt == "int4" else None
+        smoothed = fmt in ("int4", "int8")
+        smooth13 = 0.5 + torch.rand(HIDDEN, device="cuda", generator=gen) if smoothed else None
+        smooth2 = 0.5 + torch.rand(INTER, device="cuda", generator=gen) if smoothed else None
         out.append((f.quantize(w13, group=GROUP, smooth=smooth13, x_amax=2 + 4 * spread),
                     f.quantize(w2, group=GROUP, smooth=smooth2, x_amax=0.5 + spread)))
     return out
 
 
 def stacked(fmt: str, tensors: list):
-    """(w13, w2, fp8, int4) as fused_moe takes them."""
+    """(w13, w2, fp8, int4 or int8) as fused_moe takes them."""
     w13 = torch.stack([a["weight"] for a, _ in tensors])
     w2 = torch.stack([b["weight"] for _, b in tensors])
     if fmt == "fp8_pt":
@@ -63,6 +67,10 @@ def stacked(fmt: str, tensors: list):
                                   torch.stack([a["input_scale"].float().reshape(()) for a, _ in tensors]),
                                   torch.stack([rows(b, HIDDEN) for _, b in tensors]),
                                   torch.stack([b["input_scale"].float().reshape(()) for _, b in tensors])), None
+    if fmt == "int8":
+        stack = lambda i, key: torch.stack([t[i][key].float().squeeze() for t in tensors])  # noqa: E731
+        return w13, w2, None, Int8Scales(stack(0, "weight_scale"), stack(0, "input_scale"), stack(0, "pre_quant_scale"),
+                                         stack(1, "weight_scale"), stack(1, "input_scale"), stack(1, "pre_quant_scale"))
     if fmt == "int4":
         return w13, w2, None, Int4Scales(*(torch.stack([t[i][key].float() for t in tensors])
                                            for i, key in ((0, "weight_scale"), (0, "pre_quant_scale"),
@@ -114,9 +122,12 @@ def nvfp4_scales(fmt: str, tensors: list) -> Nvfp4Scales | None:
 def run_format(fmt: str, args, gen) -> None:
     tensors = expert_tensors(fmt, gen)
     w13, w2, fp8, int4 = stacked(fmt, tensors)  # nvfp4: the stacked codes, no fp8 / int4 scales
+    int8 = int4 if fmt == "int8" else None
+    int4 = None if fmt == "int8" else int4
     nvfp4 = nvfp4_scales(fmt, tensors)
     on_gpu = lambda s: None if s is None else type(s)(*(None if v is None else v.cuda() for v in s))  # noqa: E731
-    fp8, int4, nvfp4 = on_gpu(fp8), on_gpu(int4), on_gpu(nvfp4)  # the dummy quantizer leaves input scales on the host
+    # the dummy quantizer leaves input scales on the host
+    fp8, int4, nvfp4, int8 = on_gpu(fp8), on_gpu(int4), on_gpu(nvfp4), on_gpu(int8)
     algo = ALGO[fmt] or formats.BF16.name
     prepared = [(kernels.prepare_linear(algo, a, "cuda"), kernels.prepare_linear(algo, b, "cuda")) for a, b in tensors]
     del tensors
@@ -125,8 +136,8 @@ def run_format(fmt: str, args, gen) -> None:
         weights, ids = torch.topk(torch.softmax(torch.randn(t, EXPERTS, device="cuda", generator=gen), -1), TOP_K, -1)
         weights = weights / weights.sum(-1, keepdim=True)
         fused = lambda path=None: fused_moe_triton(x, w13, w2, ids, weights, fp8=fp8, int4=int4, path=path,  # noqa
-                                                   nvfp4=nvfp4)
-        ref = fused_moe_ref(x, w13, w2, ids, weights, fp8=fp8, int4=int4, nvfp4=nvfp4).float()
+                                                   nvfp4=nvfp4, int8=int8)
+        ref = fused_moe_ref(x, w13, w2, ids, weights, fp8=fp8, int4=int4, nvfp4=nvfp4, int8=int8).float()
         errs = {p: ((fused(p).float() - ref).abs().max() / ref.abs().max()).item() for p in ("moe_gemv", "moe_grouped")}
         if not max(errs.values()) <= REL_TOL:
             raise SystemExit(f"{fmt} batch {t}: fused vs reference max error {errs} > {REL_TOL}")

@@ -247,14 +247,15 @@ STATIC_W8A8_FORMATS = {formats.FP8: fp8_linear_fp32, formats.W8A8_SQ_PER_CHANNEL
 LAYER_OPS = ("dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul", "gelu_tanh_and_mul", "fused_moe")
 
 
-def fused_moe_fp32(x, w13, w2, topk_ids, topk_weights, fp8=None, int4=None, nvfp4=None):
-    """The MoE reference in fp32 math (16-bit experts upcast; FP8, INT4 and NVFP4 experts already are), rounded to
-    x's dtype."""
+def fused_moe_fp32(x, w13, w2, topk_ids, topk_weights, fp8=None, int4=None, nvfp4=None, int8=None):
+    """The MoE reference in fp32 math (16-bit experts upcast; FP8, INT8, INT4 and NVFP4 experts already are), rounded
+    to x's dtype."""
     from lowbit.kernels import fused_moe_ref
 
-    if fp8 is None and int4 is None and nvfp4 is None:
+    if fp8 is None and int4 is None and nvfp4 is None and int8 is None:
         w13, w2 = w13.float(), w2.float()
-    return fused_moe_ref(x.float(), w13, w2, topk_ids, topk_weights, fp8=fp8, int4=int4, nvfp4=nvfp4).to(x.dtype)
+    return fused_moe_ref(x.float(), w13, w2, topk_ids, topk_weights, fp8=fp8, int4=int4, nvfp4=nvfp4,
+                         int8=int8).to(x.dtype)
 
 
 def dense_linear_fp32(x, weight, bias=None, silu_mul=False):

@@ -24,7 +24,8 @@ _WHERE = {
                                                  "decode_splits", "long_context", "attention_ref", "window_start"),
     "lowbit.kernels.attention.paged_prefill": ("paged_prefill",),
     "lowbit.kernels.attention.rotary_kv": ("rotary_store_kv",),
-    "lowbit.kernels.moe.fused_moe": ("fused_moe", "fused_moe_ref", "Fp8Scales", "Int4Scales", "Nvfp4Scales"),
+    "lowbit.kernels.moe.fused_moe": ("fused_moe", "fused_moe_ref", "Fp8Scales", "Int4Scales", "Int8Scales",
+                                   "Nvfp4Scales"),
     "lowbit.kernels._triton": ("all_kernels_early", "HAS_TRITON"),
 }
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}

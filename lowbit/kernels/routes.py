@@ -8,7 +8,7 @@ None when no GPU runs the kernels: the CPU, Triton's interpreter), and per kind:
   "per_token" (one x scale per row, M > 1), as lowbit.kernels.linear.w8a8.scale_kind reads the scale tensors;
 - group (int4): the quantization group along K; x16: x is bf16 / fp16 (dense: and the weight has x's dtype).
 Op "moe" (lowbit.kernels.moe.fused_moe) picks how a MoE layer's experts run: the case's kind is the experts'
-("dense", "fp8" per-tensor, "int4", "nvfp4"), m the number of (token, expert) pairs (tokens x top_k), n and k the gate/up
+("dense", "fp8", "int8", "int4", "nvfp4"), m the number of (token, expert) pairs (tokens x top_k), n and k the gate/up
 projection's (2 x intermediate, hidden); its kernels run both projections.
 Routes are decided from these numbers alone (no GPU needed). The int4 / nvfp4 rows are asked only where the
 kernels run (w4a16.w4a16_gemm runs the reference otherwise), so they do not test arch.
@@ -112,7 +112,7 @@ ZERO_POINT = (
     Row(("int4",), lambda c, t: c.m <= ZP_ADD_ROWS, "zp_add"),  # one Triton launch, in place
     Row(("int4",), lambda c, t: True, "zp_addmm"),  # torch group sums + fp32 addmm
 )
-MOE_KINDS = ("dense", "fp8", "int4", "nvfp4")
+MOE_KINDS = ("dense", "fp8", "int8", "int4", "nvfp4")
 # how a MoE layer's experts run (lowbit.kernels.moe): a few pairs (decode) one program per pair and N tile, reading
 # the weight rows of its expert with no row padding; more, the pairs sorted by expert into row blocks of grouped GEMMs
 MOE = (

@@ -14,6 +14,8 @@ and a2_scale None) quantize each input row with its own scale amax(|row|) / 448 
 projection: an x row's scale is the same for every expert it reaches) and dequantize by it in the epilogue.
 
 INT4 experts (`int4=Int4Scales(...)`): w13 / w2 are packed uint8 (lowbit.kernels.moe.int4 says how).
+INT8 W8A8 experts (`int8=Int8Scales(...)`): w13 / w2 are int8, each expert's input smoothed and quantized with its own
+pre_quant_scale and static input scale (lowbit.kernels.moe.int8 says how).
 NVFP4 experts (`nvfp4=Nvfp4Scales(...)`): w13 / w2 are e2m1 codes, uint8 [E, 2I, H/2] / [E, H, I/2], weight-only
 (lowbit.kernels.moe.nvfp4 says how).
 
@@ -30,8 +32,9 @@ from lowbit.formats.numerics import fake_quant_fp8, fake_quant_fp8_per_token
 from lowbit.kernels import routes
 from lowbit.kernels._triton import cdiv, kernel, next_pow2, on_gpu, tl, wait_for_producers
 from lowbit.kernels.moe.align import block_rows, moe_align
-from lowbit.kernels.moe.gemv import expert_gemv, expert_gemv_int4, token_scales
+from lowbit.kernels.moe.gemv import expert_gemv, expert_gemv_int4, expert_gemv_int8, token_scales
 from lowbit.kernels.moe.int4 import Int4Scales, grouped_gemm_int4, int4_linear_ref
+from lowbit.kernels.moe.int8 import Int8Scales, grouped_gemm_int8, int8_linear_ref
 from lowbit.kernels.moe.nvfp4 import Nvfp4Scales, expert_gemv_nvfp4, grouped_gemm_nvfp4, nvfp4_linear_ref
 from lowbit.kernels.ops.activation import silu_and_mul_ref
 
@@ -52,29 +55,32 @@ class Fp8Scales(NamedTuple):
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, fp8: Fp8Scales | None = None, int4: Int4Scales | None = None,
-              nvfp4: Nvfp4Scales | None = None) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x's dtype, float8_e4m3fn with fp8, packed uint8 [E, I, H] /
-    [E, H/2, I] with int4, uint8 [E, 2I, H/2] / [E, H, I/2] with nvfp4), topk_ids [T, k] int, topk_weights [T, k]
-    float -> [T, H]."""
-    if on_gpu(x):
-        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, fp8=fp8, int4=int4, nvfp4=nvfp4)
-    return fused_moe_ref(x, w13, w2, topk_ids, topk_weights, fp8=fp8, int4=int4, nvfp4=nvfp4)
+              nvfp4: Nvfp4Scales | None = None, int8: Int8Scales | None = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I] (x's dtype, float8_e4m3fn with fp8, int8 with int8, packed uint8
+    [E, I, H] / [E, H/2, I] with int4, uint8 [E, 2I, H/2] / [E, H, I/2] with nvfp4), topk_ids [T, k] int,
+    topk_weights [T, k] float -> [T, H]."""
+    run = fused_moe_triton if on_gpu(x) else fused_moe_ref
+    return run(x, w13, w2, topk_ids, topk_weights, fp8=fp8, int4=int4, nvfp4=nvfp4, int8=int8)
 
 
-def expert_kind(fp8: Fp8Scales | None, int4: Int4Scales | None, nvfp4: Nvfp4Scales | None = None) -> str:
+def expert_kind(fp8: Fp8Scales | None, int4: Int4Scales | None, nvfp4: Nvfp4Scales | None = None,
+                int8: Int8Scales | None = None) -> str:
     """The experts' weight kind as routes' op "moe" names it."""
-    if (fp8 is not None) + (int4 is not None) + (nvfp4 is not None) > 1:
-        raise ValueError("fused_moe: experts are FP8, INT4 or NVFP4, one of them")
-    if nvfp4 is not None:
-        return "nvfp4"
-    return "fp8" if fp8 is not None else "int4" if int4 is not None else "dense"
+    given = {"fp8": fp8, "int4": int4, "nvfp4": nvfp4, "int8": int8}
+    kinds = [kind for kind, scales in given.items() if scales is not None]
+    if len(kinds) > 1:
+        raise ValueError("fused_moe: experts are FP8, INT8, INT4 or NVFP4, one of them")
+    return kinds[0] if kinds else "dense"
 
 
-def _projections(fp8: Fp8Scales | None, int4: Int4Scales | None, nvfp4: Nvfp4Scales | None = None) -> tuple:
+def _projections(fp8: Fp8Scales | None, int4: Int4Scales | None, nvfp4: Nvfp4Scales | None = None,
+                 int8: Int8Scales | None = None) -> tuple:
     """The scale arguments of the gate/up and the down projection, in expert_linear_ref's order (nvfp4:
-    nvfp4_linear_ref's)."""
+    nvfp4_linear_ref's, int8: int8_linear_ref's)."""
     if nvfp4 is not None:
         return (nvfp4.w13_block, nvfp4.w13_global), (nvfp4.w2_block, nvfp4.w2_global)
+    if int8 is not None:
+        return (int8.w13_scale, int8.a13_scale, int8.w13_smooth), (int8.w2_scale, int8.a2_scale, int8.w2_smooth)
     if fp8 is not None:
         return (fp8.w13_scale, fp8.a13_scale), (fp8.w2_scale, fp8.a2_scale)
     if int4 is not None:
@@ -97,11 +103,13 @@ def expert_linear_ref(a: torch.Tensor, w: torch.Tensor, e: int, w_scale=None, a_
 
 
 def fused_moe_ref(x, w13, w2, topk_ids, topk_weights, fp8: Fp8Scales | None = None,
-                  int4: Int4Scales | None = None, nvfp4: Nvfp4Scales | None = None) -> torch.Tensor:
+                  int4: Int4Scales | None = None, nvfp4: Nvfp4Scales | None = None,
+                  int8: Int8Scales | None = None) -> torch.Tensor:
     """Torch reference: the (token, slot) pairs sorted by expert, one pair of GEMMs per expert that has any, then the
     weighted sum over each token's top_k rows."""
-    linear = nvfp4_linear_ref if expert_kind(fp8, int4, nvfp4) == "nvfp4" else expert_linear_ref
-    s13, s2 = _projections(fp8, int4, nvfp4)
+    kind = expert_kind(fp8, int4, nvfp4, int8)
+    linear = {"nvfp4": nvfp4_linear_ref, "int8": int8_linear_ref}.get(kind, expert_linear_ref)
+    s13, s2 = _projections(fp8, int4, nvfp4, int8)
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
@@ -127,16 +135,16 @@ def combine_ref(rows: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
 
 def fused_moe_triton(x, w13, w2, topk_ids, topk_weights, block_m: int = BLOCK_M, fp8: Fp8Scales | None = None,
                      int4: Int4Scales | None = None, path: str | None = None,
-                     nvfp4: Nvfp4Scales | None = None) -> torch.Tensor:
+                     nvfp4: Nvfp4Scales | None = None, int8: Int8Scales | None = None) -> torch.Tensor:
     """The Triton path (also under the CPU interpreter): gate/up GEMM, SiLU-and-mul, down GEMM, combine. path:
     "moe_grouped" (align, then grouped GEMMs) or "moe_gemv" (per pair); None: routes' op "moe" decides."""
-    kind = expert_kind(fp8, int4, nvfp4)
+    kind = expert_kind(fp8, int4, nvfp4, int8)
     t, k = topk_ids.shape
     if path is None:
         arch = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
         path = routes.route("moe", kind, t * k, 2 * w2.shape[2], x.shape[1], arch)
     run = _gemv_projection if path == "moe_gemv" else _grouped_projection(topk_ids, w13.shape[0], block_m)
-    s13, s2 = _projections(fp8, int4, nvfp4)
+    s13, s2 = _projections(fp8, int4, nvfp4, int8)
     gate_up = run(x, w13, topk_ids, k, kind, *s13)
     if x.is_cuda:
         from lowbit.kernels.ops.activation import silu_and_mul
@@ -147,8 +155,11 @@ def fused_moe_triton(x, w13, w2, topk_ids, topk_weights, block_m: int = BLOCK_M,
     return combine(rows, topk_weights)
 
 
-def _gemv_projection(a, w, topk_ids, a_row_div: int, kind: str, s1, s2) -> torch.Tensor:
+def _gemv_projection(a, w, topk_ids, a_row_div: int, kind: str, *scales) -> torch.Tensor:
     """One projection of every pair by moe.gemv: [T * k, N]."""
+    if kind == "int8":
+        return expert_gemv_int8(a, w, *scales, topk_ids, a_row_div)
+    s1, s2 = scales
     if kind == "int4":
         return expert_gemv_int4(a, w, s1, s2, topk_ids, a_row_div)
     if kind == "nvfp4":
@@ -161,7 +172,10 @@ def _grouped_projection(topk_ids, num_experts: int, block_m: int):
     sorted_ids, block_expert = moe_align(topk_ids, num_experts, block_m)
     pairs = topk_ids.numel()
 
-    def run(a, w, _ids, a_row_div: int, kind: str, s1, s2) -> torch.Tensor:
+    def run(a, w, _ids, a_row_div: int, kind: str, *scales) -> torch.Tensor:
+        if kind == "int8":
+            return grouped_gemm_int8(a, w, *scales, sorted_ids, block_expert, pairs, a_row_div, block_m)
+        s1, s2 = scales
         if kind == "int4":
             return grouped_gemm_int4(a, w, s1, s2, sorted_ids, block_expert, pairs, a_row_div, block_m)
         if kind == "nvfp4":

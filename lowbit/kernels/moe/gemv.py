@@ -1,19 +1,25 @@
-"""The fused MoE's small-batch (decode) path: one program per (token, slot) pair and BLOCK_N output columns, reading
-its expert's weight rows on CUDA cores; no sorting by expert and no row blocks padded to the grouped GEMM's M tile.
+"""The fused MoE's small-batch (decode) path: one program per (token, slot) pair, BLOCK_N output columns and K split,
+reading its expert's weight rows on CUDA cores; no sorting by expert and no row blocks padded to the grouped GEMM's M
+tile.
 
 out[i] = a[i // a_row_div] @ w[ids[i]]^T for every pair i (ids: topk_ids flattened), [num_pairs, N] in a's dtype,
 with fp32 accumulation; FP8 experts quantize the row with their own input scale and dequantize at the end (as the
-grouped GEMM's epilogue); INT4 experts smooth the row in a's dtype and scale each group's partial sum (moe/int4.py).
-A pair re-reads its expert's weights when another pair has the same expert: worth it while pairs are few.
+grouped GEMM's epilogue); INT8 experts smooth and quantize the row with their own pre_quant_scale and input scale and
+sum exact int32 products (moe/int8.py); INT4 experts smooth the row in a's dtype and scale each group's partial sum
+(moe/int4.py). A pair re-reads its expert's weights when another pair has the same expert: worth it while pairs are
+few.
+
+Tiles are tuning data: Tuning.moe_gemv_config[kind] = (BLOCK_N, BLOCK_K, num_warps, split). split > 1 cuts K into
+that many ranges of whole BLOCK_K steps, one program each; they write fp32 partial rows [split, pairs, N] that one
+torch sum adds up and rounds to a's dtype (two passes, deterministic).
 """
 import torch
 
 from lowbit.formats.numerics import FP8_MAX
+from lowbit.kernels import tuning
 from lowbit.kernels._triton import cdiv, kernel, tl, wait_for_producers
-from lowbit.kernels.moe.int4 import block_k, int4_group, int4_nibbles
-
-BLOCK_N = 32
-BLOCK_K = 128
+from lowbit.kernels.moe.int4 import int4_group, int4_nibbles
+from lowbit.kernels.moe.int8 import check_int8, quantize_int8
 
 
 def token_scales(a: torch.Tensor) -> torch.Tensor:
@@ -21,9 +27,30 @@ def token_scales(a: torch.Tensor) -> torch.Tensor:
     return (a.float().abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
 
 
-def expert_gemv(a, w, ids, a_row_div: int, w_scale=None, a_scale=None) -> torch.Tensor:
+def gemv_config(kind: str, config: tuple | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, split) for experts of `kind` ("dense", "fp8", "int8", "int4"): config, else
+    the Tuning in force."""
+    block_n, block_k, warps, split = config or tuning.current().moe_gemv_config[kind]
+    if min(block_n, block_k, warps, split) < 1:
+        raise ValueError(f"moe gemv config {(block_n, block_k, warps, split)}: every value must be positive")
+    return block_n, block_k, warps, split
+
+
+def _launch(kernel_fn, args: tuple, num_pairs: int, n: int, kdim: int, dtype, device, config, **meta):
+    """Runs kernel_fn over (pairs, column blocks, splits); -> [num_pairs, n] in dtype. The kernel stores its
+    program's rows at out + split * split_stride + pair * n + col (fp32 partials when split > 1)."""
+    block_n, block_k, warps, split = config
+    k_split = cdiv(cdiv(kdim, block_k), split) * block_k  # K per split, whole BLOCK_K steps
+    split = cdiv(kdim, k_split)
+    out = torch.empty(split, num_pairs, n, dtype=dtype if split == 1 else torch.float32, device=device)
+    kernel_fn[(num_pairs, cdiv(n, block_n), split)](*args, out, n, kdim, k_split, num_pairs * n, BLOCK_N=block_n,
+                                                    BLOCK_K=block_k, num_warps=warps, **meta)
+    return out[0] if split == 1 else out.sum(0).to(dtype)
+
+
+def expert_gemv(a, w, ids, a_row_div: int, w_scale=None, a_scale=None, config=None) -> torch.Tensor:
     """16-bit (w in a's dtype) or FP8 experts (w float8_e4m3fn [E, N, K], w_scale [E, N], a_scale [E], or None:
-    per-token scales of a's rows)."""
+    per-token scales of a's rows). config: gemv_config's."""
     num_pairs, (_, n, kdim) = ids.numel(), w.shape
     if a.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("expert_gemv: a and w need unit stride along K")
@@ -31,32 +58,45 @@ def expert_gemv(a, w, ids, a_row_div: int, w_scale=None, a_scale=None) -> torch.
     if per_token:
         a_scale = token_scales(a)
     w_scale, a_scale = (w_scale.float().contiguous(), a_scale.float().contiguous()) if fp8 else (w, w)
-    out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
-    _gemv_kernel[(num_pairs, cdiv(n, BLOCK_N))](a, w, ids.reshape(-1).contiguous(), out, w_scale, a_scale, n, kdim,
-                                                a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                                                A_ROW_DIV=a_row_div, FP8=fp8, PER_TOKEN=per_token,
-                                                BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
-    return out
+    args = (a, w, ids.reshape(-1).contiguous(), w_scale, a_scale, a.stride(0), w.stride(0), w.stride(1))
+    return _launch(_gemv_kernel, args, num_pairs, n, kdim, a.dtype, a.device,
+                   gemv_config("fp8" if fp8 else "dense", config), A_ROW_DIV=a_row_div, FP8=fp8,
+                   PER_TOKEN=per_token)
 
 
-def expert_gemv_int4(a, w, scale, smooth, ids, a_row_div: int) -> torch.Tensor:
-    """INT4 experts: w uint8 [E, N/2, K], scale fp32 [E, N, K / group], smooth [E, K] (moe/int4.py's layout)."""
-    num_pairs, (_, half, kdim) = ids.numel(), w.shape
+def expert_gemv_int8(a, w, w_scale, a_scale, smooth, ids, a_row_div: int, config=None) -> torch.Tensor:
+    """INT8 experts: w int8 [E, N, K], w_scale [E, N], a_scale [E], smooth [E, K] (moe/int8.py's layout)."""
+    w_scale, a_scale, smooth = check_int8(a, w, w_scale, a_scale, smooth, "expert_gemv_int8")
+    args = (a, w, ids.reshape(-1).contiguous(), w_scale, a_scale, smooth, a.stride(0))
+    return _launch(_gemv_int8_kernel, args, ids.numel(), w.shape[1], w.shape[2], a.dtype, a.device,
+                   gemv_config("int8", config), A_ROW_DIV=a_row_div)
+
+
+def int4_block_k(group: int, want: int) -> int:
+    """The INT4 GEMV's K step: the largest power of two up to `want` that divides the group (one scale per step)."""
+    block_k = 1 << (max(want, 1).bit_length() - 1)
+    while group % block_k:
+        block_k //= 2
+    return block_k
+
+
+def expert_gemv_int4(a, w, scale, smooth, ids, a_row_div: int, config=None) -> torch.Tensor:
+    """INT4 experts: w uint8 [E, N/2, K], scale fp32 [E, N, K / group], smooth [E, K] (moe/int4.py's layout).
+    BLOCK_N counts output columns (BLOCK_N / 2 byte rows); BLOCK_K is cut to divide the group."""
+    _, half, kdim = w.shape
     group = int4_group(w, scale)
+    block_n, block_k, warps, split = gemv_config("int4", config)
     scale, smooth, w = scale.float().contiguous(), smooth.float().contiguous(), w.contiguous()
-    out = torch.empty(num_pairs, 2 * half, dtype=a.dtype, device=a.device)
-    _gemv_int4_kernel[(num_pairs, cdiv(2 * half, BLOCK_N))](a, w, scale, smooth, ids.reshape(-1).contiguous(), out,
-                                                            half, kdim, a.stride(0), out.stride(0),
-                                                            A_ROW_DIV=a_row_div, GROUP=group, BLOCK_N=BLOCK_N,
-                                                            BLOCK_K=block_k(group))
-    return out
+    args = (a, w, scale, smooth, ids.reshape(-1).contiguous(), a.stride(0))
+    return _launch(_gemv_int4_kernel, args, ids.numel(), 2 * half, kdim, a.dtype, a.device,
+                   (max(block_n, 2), int4_block_k(group, block_k), warps, split), A_ROW_DIV=a_row_div, GROUP=group)
 
 
 @kernel
-def _gemv_kernel(a_ptr, w_ptr, ids_ptr, out_ptr, w_scale_ptr, a_scale_ptr, N, K, stride_am, stride_we, stride_wn,
-                 stride_om, A_ROW_DIV: tl.constexpr, FP8: tl.constexpr, PER_TOKEN: tl.constexpr,
+def _gemv_kernel(a_ptr, w_ptr, ids_ptr, w_scale_ptr, a_scale_ptr, stride_am, stride_we, stride_wn, out_ptr, N, K,
+                 K_SPLIT, stride_os, A_ROW_DIV: tl.constexpr, FP8: tl.constexpr, PER_TOKEN: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    pair = tl.program_id(0)
+    pair, split = tl.program_id(0), tl.program_id(2)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     wait_for_producers(PDL)
@@ -69,7 +109,8 @@ def _gemv_kernel(a_ptr, w_ptr, ids_ptr, out_ptr, w_scale_ptr, a_scale_ptr, N, K,
         a_scale = tl.load(a_scale_ptr + row)
     elif FP8:
         a_scale = tl.load(a_scale_ptr + expert)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = split * K_SPLIT
+    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_row + ks, mask=k_ok, other=0.0).to(tl.float32)
@@ -79,15 +120,42 @@ def _gemv_kernel(a_ptr, w_ptr, ids_ptr, out_ptr, w_scale_ptr, a_scale_ptr, N, K,
         acc += tl.sum(b * a[None, :], axis=1)
     if FP8:
         acc = acc * a_scale * tl.load(w_scale_ptr + expert * N + cols, mask=col_ok, other=0.0)
-    tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    out = out_ptr + split.to(tl.int64) * stride_os + pair.to(tl.int64) * N + cols
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @kernel
-def _gemv_int4_kernel(a_ptr, w_ptr, s_ptr, smooth_ptr, ids_ptr, out_ptr, HALF_N, K, stride_am, stride_om,
+def _gemv_int8_kernel(a_ptr, w_ptr, ids_ptr, ws_ptr, as_ptr, smooth_ptr, stride_am, out_ptr, N, K, K_SPLIT, stride_os,
+                      A_ROW_DIV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pair, split = tl.program_id(0), tl.program_id(2)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    wait_for_producers(PDL)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    a_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
+    w_rows = w_ptr + expert * N * K + cols[:, None].to(tl.int64) * K
+    a_scale = tl.load(as_ptr + expert)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.int32)  # exact: |q w| <= 128 * 127
+    k_begin = split * K_SPLIT
+    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_row + ks, mask=k_ok, other=0.0)
+        q = quantize_int8(a, tl.load(smooth_ptr + expert * K + ks, mask=k_ok, other=0.0), a_scale)
+        b = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
+        acc += tl.sum(b.to(tl.int32) * q.to(tl.int32)[None, :], axis=1)
+    y = acc.to(tl.float32) * a_scale * tl.load(ws_ptr + expert * N + cols, mask=col_ok, other=0.0)
+    out = out_ptr + split.to(tl.int64) * stride_os + pair.to(tl.int64) * N + cols
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@kernel
+def _gemv_int4_kernel(a_ptr, w_ptr, s_ptr, smooth_ptr, ids_ptr, stride_am, out_ptr, N, K, K_SPLIT, stride_os,
                       A_ROW_DIV: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       PDL: tl.constexpr):
     HALF: tl.constexpr = BLOCK_N // 2
-    pair = tl.program_id(0)
+    HALF_N = N // 2
+    pair, split = tl.program_id(0), tl.program_id(2)
     brow = tl.program_id(1) * HALF + tl.arange(0, HALF)  # byte rows: output columns 2 * brow, 2 * brow + 1
     b_ok = brow < HALF_N
     wait_for_producers(PDL)
@@ -98,7 +166,8 @@ def _gemv_int4_kernel(a_ptr, w_ptr, s_ptr, smooth_ptr, ids_ptr, out_ptr, HALF_N,
     s_even = s_ptr + expert * 2 * HALF_N * groups + (2 * brow).to(tl.int64) * groups
     acc_lo = tl.zeros((HALF,), dtype=tl.float32)
     acc_hi = tl.zeros((HALF,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K is a multiple of GROUP, GROUP of BLOCK_K
+    k_begin = split * K_SPLIT
+    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):  # K: whole groups, GROUP: whole BLOCK_K
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_row + ks)
         a = (a * tl.load(smooth_ptr + expert * K + ks).to(a.dtype)).to(a_ptr.dtype.element_ty).to(tl.float32)
@@ -106,6 +175,6 @@ def _gemv_int4_kernel(a_ptr, w_ptr, s_ptr, smooth_ptr, ids_ptr, out_ptr, HALF_N,
         g = k0 // GROUP
         acc_lo += tl.sum(lo.to(tl.float32) * a[None, :], axis=1) * tl.load(s_even + g, mask=b_ok, other=0.0)
         acc_hi += tl.sum(hi.to(tl.float32) * a[None, :], axis=1) * tl.load(s_even + groups + g, mask=b_ok, other=0.0)
-    out_row = out_ptr + pair.to(tl.int64) * stride_om + 2 * brow
-    tl.store(out_row, acc_lo.to(out_ptr.dtype.element_ty), mask=b_ok)
-    tl.store(out_row + 1, acc_hi.to(out_ptr.dtype.element_ty), mask=b_ok)
+    out = out_ptr + split.to(tl.int64) * stride_os + pair.to(tl.int64) * N + 2 * brow
+    tl.store(out, acc_lo.to(out_ptr.dtype.element_ty), mask=b_ok)
+    tl.store(out + 1, acc_hi.to(out_ptr.dtype.element_ty), mask=b_ok)

@@ -78,5 +78,7 @@ class Tuning:
     decode_combine_rows: int  # partial rows the combine holds at once ([rows, D] fp32 over 4-8 warps)
     prefill_tiles: Mapping  # (FP8 cache, longest new sequence > 256 tokens) -> PrefillTiles
 
-    # ---- fused MoE (routes op "moe"): (token, expert) pairs up to this run the per-pair GEMV, more the grouped GEMM
+    # ---- fused MoE (lowbit.kernels.moe)
+    moe_gemv_config: Mapping  # expert kind -> (BLOCK_N, BLOCK_K, num_warps, K splits) of the per-pair GEMV
+    # routes op "moe": (token, expert) pairs up to this run the per-pair GEMV, more the grouped GEMM
     moe_gemv_max_pairs: int = 32

@@ -43,6 +43,10 @@ SM90 = Tuning(
     # fused MoE, bf16 experts at Qwen3-30B-A3B shapes (top-8), us per layer, per-pair GEMV / grouped GEMM: 8 tokens
     # (64 pairs) 173 / 548, 16 (128) 264 / 567, 64 (512) 692 / 717, 256 (2048) 2326 / 766
     moe_gemv_max_pairs=512,
+    # the per-pair GEMV's tiles (dev/bench/moe_gemv_sweep.py times the alternatives); INT4's BLOCK_K is cut to divide
+    # the group
+    moe_gemv_config=frozen({"dense": (32, 128, 4, 1), "fp8": (32, 128, 4, 1), "int8": (32, 128, 4, 1),
+                            "int4": (32, 64, 4, 1)}),
     int8_small_m_max_m=32,
     # One FP8 row: fp8_gemv is faster on qkv (4096->6144, 8.2 vs 9.9 us) and even on o; gate_up and down stay faster
     # on fp8_small_m / cuBLAS (33.8 vs 30.5 us, 21.8 vs 18.1).

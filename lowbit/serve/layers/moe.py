@@ -32,6 +32,7 @@ class MoeExperts(nn.Module):
         self.w2: torch.Tensor | None = None
         self.fp8 = None  # kernels.Fp8Scales when w13 / w2 are float8_e4m3fn
         self.int4 = None  # kernels.Int4Scales when w13 / w2 are packed INT4 (uint8 [E, I, H] / [E, H/2, I])
+        self.int8 = None  # kernels.Int8Scales when w13 / w2 are int8 (W8A8 SmoothQuant)
         self.nvfp4 = None  # kernels.Nvfp4Scales when w13 / w2 are NVFP4 e2m1 codes (uint8 [E, 2I, H/2] / [E, H, I/2])
 
     def load(self, w13: torch.Tensor, w2: torch.Tensor, device, dtype) -> None:
@@ -44,19 +45,22 @@ class MoeExperts(nn.Module):
 
     def load_quantized(self, fmt: formats.Format, experts: list, device, where: str) -> None:
         """experts[e] = (gate, up, down) checkpoint tensors ({suffix: tensor}) of format fmt: static per-tensor FP8,
-        FP8 with per-token activations (per-channel weights), or W4A16 INT4 (AWQ / RTN, no zero point). gate and up merge by the format's rule (a shared input scale or
-        pre_quant_scale); each expert keeps its own scales. where: the experts' checkpoint name, for errors."""
+        FP8 with per-token activations (per-channel weights), INT8 W8A8 SmoothQuant, W4A16 INT4 (AWQ / RTN, no zero
+        point) or NVFP4. gate and up merge by the format's rule (a shared input scale or pre_quant_scale); each expert
+        keeps its own scales. where: the experts' checkpoint name, for errors."""
         if len(experts) != self.num_experts:
             raise ValueError(f"{where}: {len(experts)} experts; expected {self.num_experts}")
         if fmt.kernel == "fp8" and fmt.activation in (formats.ACT_STATIC, formats.ACT_PER_TOKEN):
             self._load_fp8(fmt, experts, device, where)
+        elif fmt.kernel == "int8" and fmt.activation == formats.ACT_STATIC:
+            self._load_int8(fmt, experts, device, where)
         elif fmt.kernel == "int4" and fmt.activation == formats.ACT_NONE:
             self._load_int4(fmt, experts, device, where)
         elif fmt.kernel == "nvfp4":
             self._load_nvfp4(experts, device, where)
         else:
             raise ValueError(f"{where}: {fmt.name} experts are not supported (FP8 with static or per-token "
-                             f"activations, W4A16 INT4 and NVFP4 experts are)")
+                             f"activations, INT8 with static activations, W4A16 INT4 and NVFP4 experts are)")
 
     def _merged(self, fmt, experts: list, where: str, allowed: set, packed_rows: int = 1) -> list:
         """Per expert (merged gate/up, down) tensors, checked: only `allowed` suffixes, weights of the expected
@@ -93,6 +97,23 @@ class MoeExperts(nn.Module):
         self.w13, self.w2 = torch.stack(w13).contiguous(), torch.stack(w2).contiguous()
         stack = (lambda t: None) if per_token else torch.stack
         self.fp8 = kernels.Fp8Scales(torch.stack(s13), stack(a13), torch.stack(s2), stack(a2))
+
+    def _load_int8(self, fmt, experts: list, device, where: str) -> None:
+        """int8 weights with a scale per output row, each expert's static input scale, and its pre_quant_scale (ones
+        where a checkpoint has none: modelopt 0.47 does not smooth transformers' fused experts)."""
+        h, i = self.hidden, self.intermediate
+        w13, w2, s13, a13, m13, s2, a2, m2 = [], [], [], [], [], [], [], []
+        allowed = {"weight", "weight_scale", "input_scale", "pre_quant_scale"}
+        for merged, down in self._merged(fmt, experts, where, allowed):
+            for t, w, s, a, m, rows, k in ((merged, w13, s13, a13, m13, 2 * i, h), (down, w2, s2, a2, m2, h, i)):
+                if t["weight"].dtype != torch.int8:
+                    raise ValueError(f"{where}: INT8 expert weights are {t['weight'].dtype}")
+                w.append(t["weight"].to(device))
+                s.append(_row_scales(t["weight_scale"], rows).to(device))
+                a.append(t["input_scale"].float().reshape(()).to(device))
+                m.append(t.get("pre_quant_scale", torch.ones(k)).float().reshape(k).to(device))
+        self.w13, self.w2 = torch.stack(w13).contiguous(), torch.stack(w2).contiguous()
+        self.int8 = kernels.Int8Scales(*(torch.stack(t) for t in (s13, a13, m13, s2, a2, m2)))
 
     def _load_int4(self, fmt, experts: list, device, where: str) -> None:
         """Packed uint8 rows kept as on disk (two output rows per byte); fp32 group scales; pre_quant_scale, or
@@ -147,7 +168,7 @@ class MoeExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sum over each token's top_k experts of weight * expert(x) [T, H]."""
         return ops.fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, fp8=self.fp8, int4=self.int4,
-                             nvfp4=self.nvfp4)
+                             nvfp4=self.nvfp4, int8=self.int8)
 
 
 def _row_scales(weight_scale: torch.Tensor, rows: int) -> torch.Tensor:
