@@ -12,7 +12,7 @@ from lowbit.serve.engine.sampling_params import SamplingParams
 from lowbit.serve.engine.sequence import Sequence
 from lowbit.serve.runner.block_tables import BlockTables
 from lowbit.serve.runner.sampler import Sampler, truncate
-from lowbit.serve.spec.ngram import lookup
+from lowbit.serve.spec.ngram import NgramIndex, lookup
 from lowbit.serve.spec.verify import emitted, verify
 from test_serve_host_path import tiny_engine
 
@@ -163,6 +163,28 @@ def test_ngram_lookup_copies_after_the_latest_longest_match():
     assert lookup([1, 2, 3, 4], 2, 3) == []
     assert lookup([7, 7], 3, 3) == [7]
     assert lookup([7], 3, 3) == []
+
+
+def brute_force_lookup(ids: list[int], n: int, k: int) -> list[int]:
+    """The definition, scanned from scratch: the longest suffix (n..1 tokens) with an earlier occurrence that a token
+    follows, its most recent one, the k tokens after it."""
+    for m in range(min(n, len(ids) - 1), 0, -1):
+        for e in range(len(ids) - 2, m - 2, -1):
+            if ids[e + 1 - m:e + 1] == ids[len(ids) - m:]:
+                return ids[e + 1:e + 1 + k]
+    return []
+
+
+def test_incremental_ngram_index_equals_a_scan_of_the_whole_history():
+    """One index kept across a growing history (1-3 tokens appended between lookups, as verify steps append them)
+    proposes what a scan of the whole history proposes, at every step."""
+    gen = torch.Generator().manual_seed(0)
+    for n, vocab in [(3, 4), (2, 9), (1, 3), (4, 6)]:
+        ids, index = torch.randint(0, vocab, (5,), generator=gen).tolist(), NgramIndex(n)
+        for step in range(150):
+            k = step % 5 + 1
+            assert index.propose(ids, k) == brute_force_lookup(ids, n, k), (n, vocab, step)
+            ids += torch.randint(0, vocab, (step % 3 + 1,), generator=gen).tolist()
 
 
 def test_truncate_gives_back_rejected_blocks_and_keeps_refcounts():

@@ -15,6 +15,7 @@ real checkpoint.
    it to repeat a passage), where acceptance is what real text gives.
 3. With --model and --draft-model: the same runs with the draft model drafting (e.g. the int4_awq copy of an fp8
    target). --batch1-only skips part 1 (with --model).
+--host-only: instead, the host's work per token on the CPU, model forward stubbed (lowbit/bench/spec_host.py).
 """
 import argparse
 import statistics
@@ -58,6 +59,8 @@ def parse(argv):
                    help="skip part 1 (the verify-step table)")
     p.add_argument("--no-eager", action="store_true", help="part 1 without the eager verify-step timings")
     p.add_argument("--tiny", action="store_true", help="a tiny fp32 model (CPU smoke test)")
+    p.add_argument("--host-only", action="store_true",
+                   help="host work per token, plain vs n-gram, model forward stubbed (CPU; --repeats runs each)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="also write the JSON lines here")
     args = p.parse_args(argv)
@@ -68,6 +71,8 @@ def parse(argv):
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.draft_model and not args.model:
         p.error("--draft-model needs --model (the target it drafts for)")
+    if args.host_only and (args.model or args.tiny):
+        p.error("--host-only stubs the model: no --model or --tiny")
     if args.batch1_only and not args.model:
         p.error("--batch1-only needs --model (part 2 on dummy weights uses part 1's engine)")
     return args
@@ -285,6 +290,9 @@ def main(argv=None) -> int:
     print(f"machine: {device}, torch {torch.__version__}")
     print(f"date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
     emit, _ = json_lines(args.json)
+    if args.host_only:
+        from lowbit.bench.spec_host import run
+        return 0 if run(args, emit) else 1
     engine = None if args.batch1_only else verify_table(args, emit)
     if args.model:
         del engine

@@ -10,9 +10,12 @@ from lowbit.serve.spec.verify import verify
 class SpecDecoder:
     """Owns the drafter and the acceptance counters; `Engine.step` hands it pure-decode batches (`applies`)."""
 
-    def __init__(self, drafter, config: EngineConfig):
+    def __init__(self, drafter, config: EngineConfig, adaptive: bool = True):
+        """adaptive: each sequence drafts its own k (`_adapt`); False: always num_draft_tokens (for benchmarks)."""
         self.drafter = drafter
-        self.k = config.num_draft_tokens
+        self.k = config.num_draft_tokens  # the most tokens a sequence drafts per step
+        self.adaptive = adaptive
+        self.ks: dict[int, int] = {}  # by seq_id: the sequence's k for its next step (absent: self.k)
         self.max_batch_size = config.speculative_max_batch_size
         self.num_steps = 0  # verify steps run
         self.num_verified = 0  # (sequence, verify step) pairs that had a draft
@@ -45,6 +48,7 @@ class SpecDecoder:
             self.num_verified += bool(d)
             self.num_drafted += len(d)
             self.num_accepted += len(tokens) - 1
+            self._adapt(seq, len(d), len(tokens) - 1)
             for token, logprob in zip(tokens, logprobs):
                 engine._append(seq, request, token, logprob, now)
                 num_emitted += 1
@@ -64,7 +68,7 @@ class SpecDecoder:
         limits = []
         for seq in batch.seqs:
             left = engine.requests[seq.request_id].max_tokens - seq.num_completion_tokens - 1
-            limits.append(max(0, min(self.k, left, budget)))
+            limits.append(max(0, min(self.ks.get(seq.seq_id, self.k), left, budget)))
             budget -= limits[-1]
         drafts = self.drafter.propose(batch.seqs, limits)
         for i, (seq, d) in enumerate(zip(batch.seqs, drafts)):
@@ -75,8 +79,18 @@ class SpecDecoder:
                     drafts[i] = []
         return drafts
 
+    def _adapt(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """Grows the sequence's k (doubling, up to self.k) after a step that accepted every drafted token, and
+        shrinks it to one more than the accepted count after a rejection: a drafter that keeps missing stops paying
+        for rows the target throws away, and one that keeps hitting drafts the most."""
+        if not self.adaptive or not drafted:
+            return
+        k = self.ks.get(seq.seq_id, self.k)
+        self.ks[seq.seq_id] = min(self.k, 2 * k) if accepted == drafted else max(1, accepted + 1)
+
     def release(self, seq: Sequence) -> None:
         """The target sequence finished or was aborted: the drafter drops what it keeps for it."""
+        self.ks.pop(seq.seq_id, None)
         self.drafter.release(seq)
 
     def gauges(self) -> dict[str, tuple[float, str]]:
