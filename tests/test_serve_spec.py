@@ -9,10 +9,12 @@ import torch
 from lowbit.serve.engine.block_manager import BlockManager
 from lowbit.serve.engine.config import EngineConfig
 from lowbit.serve.engine.sampling_params import SamplingParams
+from lowbit.serve.engine.scheduler import Batch
 from lowbit.serve.engine.sequence import Sequence
 from lowbit.serve.runner.block_tables import BlockTables
 from lowbit.serve.runner.sampler import Sampler, truncate
-from lowbit.serve.spec.ngram import NgramIndex, lookup
+from lowbit.serve.spec.decoder import MAX_PAUSE, SpecDecoder
+from lowbit.serve.spec.ngram import NgramDrafter, NgramIndex, lookup
 from lowbit.serve.spec.verify import emitted, verify
 from test_serve_host_path import tiny_engine
 
@@ -185,6 +187,37 @@ def test_incremental_ngram_index_equals_a_scan_of_the_whole_history():
             k = step % 5 + 1
             assert index.propose(ids, k) == brute_force_lookup(ids, n, k), (n, vocab, step)
             ids += torch.randint(0, vocab, (step % 3 + 1,), generator=gen).tolist()
+
+
+def test_adaptive_k_grows_on_hits_shrinks_on_rejects_and_pauses_on_misses():
+    dec = SpecDecoder(NgramDrafter(3), EngineConfig(speculative="ngram", num_draft_tokens=8))
+    seq = Sequence(list(range(20)), SamplingParams())
+    seq.num_computed_tokens = 19  # a decode: its newest token is uncomputed
+
+    def step(drafted, accepted):  # what SpecDecoder.step does around _adapt: the sequence gains accepted + 1 tokens
+        dec._adapt(seq, drafted, accepted)
+        seq.token_ids += [0] * (accepted + 1)
+        seq.num_computed_tokens = seq.num_tokens - 1
+
+    step(8, 2)
+    assert dec.ks[seq.seq_id] == 3 and dec.applies(Batch([seq], [1]))
+    step(3, 3)
+    step(6, 6)
+    assert dec.ks[seq.seq_id] == 8  # doubled, capped at num_draft_tokens
+    pauses = []
+    for _ in range(7):  # misses: k 1, pauses 1, 2, 4 ... MAX_PAUSE tokens of plain decoding
+        step(dec.ks[seq.seq_id], 0)
+        n = 0
+        while not dec.applies(Batch([seq], [1])):
+            seq.token_ids.append(0)
+            seq.num_computed_tokens += 1
+            n += 1
+        pauses.append(n)
+    assert pauses == [1, 2, 4, 8, 16, 16, 16] and MAX_PAUSE == 16 and dec.ks[seq.seq_id] == 1
+    step(1, 1)  # a hit ends the pausing
+    assert seq.seq_id not in dec.pauses and dec.ks[seq.seq_id] == 2
+    dec.release(seq)
+    assert not dec.ks and not dec.pauses
 
 
 def test_truncate_gives_back_rejected_blocks_and_keeps_refcounts():

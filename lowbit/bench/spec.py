@@ -103,17 +103,26 @@ PASSAGE = ("The committee met on Tuesday to review the budget. It agreed to fund
            "who had counted the survey forms by hand.")
 
 
-def real_engine(args, draft: bool = False) -> tuple[Engine, list[list[int]]]:
-    """The checkpoint --model (drafted for by --draft-model when draft, else by n-grams) and, per request of the
-    largest batch, a prompt that asks it to repeat a passage (its own tokenizer)."""
+CHAT = ["Write a short story about a robot who learns to paint.", "What are the benefits of regular exercise?",
+        "Explain how a rainbow forms.", "Give me three tips for learning a new language.",
+        "Why do cats purr?", "Describe a good breakfast for a busy morning.", "How does a bicycle stay upright?",
+        "What should I pack for a weekend trip to the mountains?"]
+
+
+def real_engine(args, draft: bool = False) -> tuple[Engine, dict[str, list[list[int]]]]:
+    """The checkpoint --model (drafted for by --draft-model when draft, else by n-grams) and, per workload, a prompt
+    per request of the largest batch (its own tokenizer): `quote` asks it to repeat a passage, `chat` asks an
+    open question (nothing to copy but what the answer repeats of itself)."""
     spec = dict(speculative="draft", draft_model=args.draft_model) if draft else dict(speculative="ngram")
     most = max(args.tps_batch_sizes)
     cfg = EngineConfig(max_batch_size=most, speculative_max_batch_size=most, device=args.device,
                        num_draft_tokens=args.num_draft_tokens, **spec)
     engine = Engine(args.model, cfg)
-    texts = [f"Request {i}. Passage: {PASSAGE}\nRepeat the passage word for word.\nPassage: {PASSAGE}\n"
+    quote = [f"Request {i}. Passage: {PASSAGE}\nRepeat the passage word for word.\nPassage: {PASSAGE}\n"
              f"Again, word for word:\n" for i in range(most)]
-    return engine, [engine.tokenizer.encode(t) for t in texts]
+    chat = [f"User: {CHAT[i % len(CHAT)]} (request {i})\nAssistant:" for i in range(most)]
+    return engine, {name: [engine.tokenizer.encode(t) for t in texts] for name, texts in (("quote", quote),
+                                                                                          ("chat", chat))}
 
 
 def prompt_len(args) -> int:
@@ -250,27 +259,29 @@ def run_batch(engine: Engine, prompts: list[list[int]], output_len: int, decoder
     return len(prompts) * output_len / (time.perf_counter() - t0), [out[i] for i in ids], decoder
 
 
-def tps_runs(engine: Engine, prompts, args, drafter, name: str, emit, model: str) -> bool:
-    """Part 2 / 3: plain vs speculative tokens/s at each --tps-batch-sizes (the auto-off lifted); whether every
-    output was identical."""
+def tps_runs(engine: Engine, prompts, args, drafter, name: str, emit, model: str, workload: str = "quote") -> bool:
+    """Part 2 / 3: plain vs speculative tokens/s at each --tps-batch-sizes (the auto-off lifted), speculating with a
+    fixed k and with the adaptive k (the engine's); whether every output was identical."""
     config = replace(engine.config, num_draft_tokens=args.num_draft_tokens,
                      speculative_max_batch_size=max(args.tps_batch_sizes))
-    print(f"tokens/s, quote-heavy prompts, greedy, {args.output_len} tokens each, {name} k={args.num_draft_tokens}:")
-    print("| batch | plain tok/s | spec tok/s | speed-up | acceptance | accepted/step | identical |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"tokens/s, {workload} prompts, greedy, {args.output_len} tokens each, {name} k={args.num_draft_tokens}:")
+    print("| batch | plain tok/s | fixed k tok/s | adaptive k tok/s | speed-up (adaptive) | acceptance | "
+          "tokens/step | identical |")
+    print("|---|---|---|---|---|---|---|---|")
     all_same, pays_up_to, paying = True, 0, True
     for b in args.tps_batch_sizes:
         plain_tps, plain, _ = run_batch(engine, prompts[:b], args.output_len, None)
+        fixed_tps, fixed, _ = run_batch(engine, prompts[:b], args.output_len, SpecDecoder(drafter, config, False))
         spec_tps, spec, s = run_batch(engine, prompts[:b], args.output_len, SpecDecoder(drafter, config))
-        same = sum(x == y for x, y in zip(plain, spec))
+        same = sum(x == y == z for x, y, z in zip(plain, fixed, spec))
         rate = s.num_accepted / s.num_drafted if s.num_drafted else 0.0
-        per_step = s.num_accepted / s.num_verified if s.num_verified else 0.0
-        emit({"bench": "spec-tps", "model": model, "drafter": name, "batch": b,
+        per_step = 1 + s.num_accepted / s.num_verified if s.num_verified else 1.0
+        emit({"bench": "spec-tps", "model": model, "workload": workload, "drafter": name, "batch": b,
               "num_draft_tokens": args.num_draft_tokens, "output_len": args.output_len, "plain_tok_s": plain_tps,
-              "spec_tok_s": spec_tps, "speedup": spec_tps / plain_tps, "acceptance_rate": rate,
-              "accepted_per_step": per_step, "identical_outputs": same, "requests": b})
-        print(f"| {b} | {plain_tps:.1f} | {spec_tps:.1f} | {spec_tps / plain_tps:.2f} | {rate:.2f} | {per_step:.2f} "
-              f"| {same}/{b} |")
+              "fixed_k_tok_s": fixed_tps, "spec_tok_s": spec_tps, "speedup": spec_tps / plain_tps,
+              "acceptance_rate": rate, "tokens_per_step": per_step, "identical_outputs": same, "requests": b})
+        print(f"| {b} | {plain_tps:.1f} | {fixed_tps:.1f} | {spec_tps:.1f} | {spec_tps / plain_tps:.2f} | {rate:.2f} "
+              f"| {per_step:.2f} | {same}/{b} |")
         all_same &= same == b
         paying &= spec_tps >= plain_tps
         pays_up_to = b if paying else pays_up_to
@@ -294,19 +305,21 @@ def main(argv=None) -> int:
         from lowbit.bench.spec_host import run
         return 0 if run(args, emit) else 1
     engine = None if args.batch1_only else verify_table(args, emit)
-    if args.model:
-        del engine
-        free()
-        engine, prompts = real_engine(args)
-        model = args.model
-    else:
+    if not args.model:
         prompts, model = synthetic_prompts(engine, args), "tiny" if args.tiny else "Llama-3.1-8B shapes, dummy weights"
-    ok = tps_runs(engine, prompts, args, NgramDrafter(engine.config.ngram_size), "n-gram", emit, model)
+        ok = tps_runs(engine, prompts, args, NgramDrafter(engine.config.ngram_size), "n-gram", emit, model)
+        return 0 if ok else 1
+    del engine
+    free()
+    engine, workloads = real_engine(args)
+    ok = all([tps_runs(engine, prompts, args, NgramDrafter(engine.config.ngram_size), "n-gram", emit, args.model,
+                       workload) for workload, prompts in workloads.items()])
     if args.draft_model:
         del engine
         free()
-        engine, prompts = real_engine(args, draft=True)
-        ok &= tps_runs(engine, prompts, args, engine.spec.drafter, f"drafted by {args.draft_model}", emit, model)
+        engine, workloads = real_engine(args, draft=True)
+        ok &= all([tps_runs(engine, prompts, args, engine.spec.drafter, f"drafted by {args.draft_model}", emit,
+                            args.model, workload) for workload, prompts in workloads.items()])
     return 0 if ok else 1
 
 

@@ -6,6 +6,8 @@ from lowbit.serve.engine.scheduler import Batch
 from lowbit.serve.engine.sequence import Sequence
 from lowbit.serve.spec.verify import verify
 
+MAX_PAUSE = 16  # tokens: the longest a sequence whose drafts keep missing decodes without drafting
+
 
 class SpecDecoder:
     """Owns the drafter and the acceptance counters; `Engine.step` hands it pure-decode batches (`applies`)."""
@@ -16,6 +18,7 @@ class SpecDecoder:
         self.k = config.num_draft_tokens  # the most tokens a sequence drafts per step
         self.adaptive = adaptive
         self.ks: dict[int, int] = {}  # by seq_id: the sequence's k for its next step (absent: self.k)
+        self.pauses: dict[int, tuple[int, int]] = {}  # by seq_id: (drafts again from this many tokens, pause length)
         self.max_batch_size = config.speculative_max_batch_size
         self.num_steps = 0  # verify steps run
         self.num_verified = 0  # (sequence, verify step) pairs that had a draft
@@ -23,8 +26,13 @@ class SpecDecoder:
         self.num_accepted = 0  # of those, tokens the target agreed with
 
     def applies(self, batch: Batch) -> bool:
-        """Pure decode (one token per sequence, none in prefill) and no larger than the auto-off batch size."""
-        return batch.is_decode and len(batch.seqs) <= self.max_batch_size
+        """Pure decode (one token per sequence, none in prefill), no larger than the auto-off batch size, and a
+        sequence not pausing (`_adapt`): else the step runs as plain decoding (overlapped on the GPU)."""
+        return batch.is_decode and len(batch.seqs) <= self.max_batch_size and any(map(self._drafting, batch.seqs))
+
+    def _drafting(self, seq: Sequence) -> bool:
+        pause = self.pauses.get(seq.seq_id)
+        return pause is None or seq.num_tokens >= pause[0]
 
     def step(self, engine, batch: Batch) -> list:
         """Runs `batch` (pure decode, every newest token on the host) with drafts; the engine's RequestOutputs."""
@@ -68,7 +76,8 @@ class SpecDecoder:
         limits = []
         for seq in batch.seqs:
             left = engine.requests[seq.request_id].max_tokens - seq.num_completion_tokens - 1
-            limits.append(max(0, min(self.ks.get(seq.seq_id, self.k), left, budget)))
+            k = self.ks.get(seq.seq_id, self.k) if self._drafting(seq) else 0
+            limits.append(max(0, min(k, left, budget)))
             budget -= limits[-1]
         drafts = self.drafter.propose(batch.seqs, limits)
         for i, (seq, d) in enumerate(zip(batch.seqs, drafts)):
@@ -80,17 +89,24 @@ class SpecDecoder:
         return drafts
 
     def _adapt(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """Grows the sequence's k (doubling, up to self.k) after a step that accepted every drafted token, and
-        shrinks it to one more than the accepted count after a rejection: a drafter that keeps missing stops paying
-        for rows the target throws away, and one that keeps hitting drafts the most."""
+        """The sequence's next k: doubled (up to self.k) after a step that accepted every drafted token, one more
+        than the accepted count after a rejection. A step that accepted nothing also pauses drafting for the next 1,
+        2, 4 .. MAX_PAUSE tokens (doubling while drafts keep missing): a verify step costs more than a decode step,
+        more so on the GPU, where plain decode steps overlap with the host and a verify step waits for it."""
         if not self.adaptive or not drafted:
             return
         k = self.ks.get(seq.seq_id, self.k)
-        self.ks[seq.seq_id] = min(self.k, 2 * k) if accepted == drafted else max(1, accepted + 1)
+        self.ks[seq.seq_id] = min(self.k, 2 * k) if accepted == drafted else accepted + 1
+        if accepted:
+            self.pauses.pop(seq.seq_id, None)
+        else:
+            pause = min(MAX_PAUSE, 2 * self.pauses.get(seq.seq_id, (0, 0))[1] or 1)
+            self.pauses[seq.seq_id] = (seq.num_tokens + 1 + pause, pause)  # its token count after this step: + 1
 
     def release(self, seq: Sequence) -> None:
         """The target sequence finished or was aborted: the drafter drops what it keeps for it."""
         self.ks.pop(seq.seq_id, None)
+        self.pauses.pop(seq.seq_id, None)
         self.drafter.release(seq)
 
     def gauges(self) -> dict[str, tuple[float, str]]:
