@@ -38,16 +38,18 @@ def test_break_even_acceptance_solves_tokens_per_step_equal_to_the_cost_ratio():
 
 @pytest.mark.slow
 def test_spec_bench_draft_model_batch1_on_the_embedded_model(tmp_path, capsys):
-    """`--model M --draft-model M --batch1-only --tps-batch-sizes 1`: the model drafting for itself accepts every
-    draft, outputs agree."""
+    """`--model M --draft-model M --batch1-only --tps-batch-sizes 1`: both workloads (quote, chat) with each drafter;
+    the model drafting for itself accepts every draft, outputs agree."""
     out = tmp_path / "spec.jsonl"
     argv = ["--device", "cpu", "--model", "smollm2-135m", "--draft-model", "smollm2-135m", "--batch1-only",
             "--output-len", "12", "--tps-batch-sizes", "1", "--json", str(out)]
     assert load("spec").main(argv) == 0
     rows = [r for r in map(json.loads, out.read_text().splitlines()) if r["bench"] == "spec-tps"]
-    assert [r["drafter"] for r in rows] == ["n-gram", "drafted by smollm2-135m"]
-    draft = rows[1]
-    assert draft["identical_outputs"] == 1 and draft["spec_tok_s"] > 0 and draft["acceptance_rate"] == 1.0
+    assert [(r["drafter"], r["workload"]) for r in rows] == [("n-gram", "quote"), ("n-gram", "chat"),
+                                                             ("drafted by smollm2-135m", "quote"),
+                                                             ("drafted by smollm2-135m", "chat")]
+    for draft in rows[2:]:
+        assert draft["identical_outputs"] == 1 and draft["spec_tok_s"] > 0 and draft["acceptance_rate"] == 1.0
     assert "drafted by smollm2-135m" in capsys.readouterr().out
 
 

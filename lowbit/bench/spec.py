@@ -29,7 +29,7 @@ import torch
 from lowbit.bench.serve_bench import LLAMA_3_1_8B, TINY, DummyTokenizer, free, sync
 from lowbit.bench_cli import int_list, json_lines
 from lowbit.progress import stage
-from lowbit.serve.engine.config import EngineConfig
+from lowbit.serve.engine.config import DEFAULT_NUM_DRAFT_TOKENS, EngineConfig
 from lowbit.serve.engine.engine import Engine
 from lowbit.serve.engine.sampling_params import SamplingParams
 from lowbit.serve.engine.scheduler import Batch
@@ -52,7 +52,7 @@ def parse(argv):
     p.add_argument("--repeats", type=int, default=20, help="timed steps per point (median)")
     p.add_argument("--passage", type=int, default=128, help="tokens of the passage the workload's prompt repeats")
     p.add_argument("--output-len", type=int, default=256, help="greedy tokens generated per request")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="k of the tokens/s runs")
+    p.add_argument("--num-draft-tokens", type=int, help="k of the tokens/s runs (default: the engine's, by drafter)")
     p.add_argument("--model", help="part 2 on this checkpoint (store name or directory) instead of dummy weights")
     p.add_argument("--draft-model", help="part 3: this checkpoint drafts for --model (same tokenizer)")
     p.add_argument("--batch1-only", "--no-verify-table", dest="batch1_only", action="store_true",
@@ -67,7 +67,7 @@ def parse(argv):
     for flag in ("batch_sizes", "ks", "tps_batch_sizes"):
         setattr(args, flag, int_list(p, "--" + flag.replace("_", "-"), getattr(args, flag)))
     for flag in ("context", "repeats", "passage", "output_len", "num_draft_tokens"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.draft_model and not args.model:
         p.error("--draft-model needs --model (the target it drafts for)")
@@ -94,7 +94,7 @@ def build(args) -> Engine:
     if engine.runner.graphs is not None:
         with stage("capturing verify CUDA graphs"):
             engine.runner.verify_graphs = engine.runner.capture_verify_graphs(
-                sorted({k + 1 for k in args.ks} | {args.num_draft_tokens + 1}))
+                sorted({k + 1 for k in args.ks} | {ngram_k(args) + 1}))
     return engine
 
 
@@ -234,10 +234,10 @@ def print_break_even(rows, emit) -> None:
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], output_len: int, decoder) -> tuple[float, list, object]:
-    """(tokens/s, outputs, decoder) of greedy requests for every prompt at once, speculating with decoder (None:
-    not; its counters start at zero), after a short warm-up batch of the same prompts (the kernels' first launches
-    at this batch's prefill and verify shapes compile outside the timed run; with prefix caching on, the timed
-    prompts then hit the cache, so both runs measure mostly decode)."""
+    """(tokens/s (on the CPU: per process CPU second), outputs, decoder) of greedy requests for every prompt at once,
+    speculating with decoder (None: not; its counters start at zero), after a short warm-up batch of the same prompts
+    (the kernels' first launches at this batch's prefill and verify shapes compile outside the timed run; with
+    prefix caching on, the timed prompts then hit the cache, so both runs measure mostly decode)."""
     engine.spec = decoder
     for i, p in enumerate(prompts):
         engine.add_request(f"warm-{i}", p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -246,8 +246,9 @@ def run_batch(engine: Engine, prompts: list[list[int]], output_len: int, decoder
     if decoder is not None:
         decoder.num_steps = decoder.num_verified = decoder.num_drafted = decoder.num_accepted = 0
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    clock = time.perf_counter if engine.runner.device.type == "cuda" else time.process_time  # CPU: shared machine
     sync()
-    t0, out = time.perf_counter(), {}
+    t0, out = clock(), {}
     ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for i, p in zip(ids, prompts):
         engine.add_request(i, p, params, stream=False)
@@ -256,15 +257,19 @@ def run_batch(engine: Engine, prompts: list[list[int]], output_len: int, decoder
             if o.finished:
                 out[o.request_id] = o.outputs[0].token_ids
     sync()
-    return len(prompts) * output_len / (time.perf_counter() - t0), [out[i] for i in ids], decoder
+    return len(prompts) * output_len / (clock() - t0), [out[i] for i in ids], decoder
 
 
-def tps_runs(engine: Engine, prompts, args, drafter, name: str, emit, model: str, workload: str = "quote") -> bool:
+def ngram_k(args) -> int:
+    return args.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS["ngram"]
+
+
+def tps_runs(engine: Engine, prompts, args, drafter, name: str, emit, model: str, k: int,
+             workload: str = "quote") -> bool:
     """Part 2 / 3: plain vs speculative tokens/s at each --tps-batch-sizes (the auto-off lifted), speculating with a
-    fixed k and with the adaptive k (the engine's); whether every output was identical."""
-    config = replace(engine.config, num_draft_tokens=args.num_draft_tokens,
-                     speculative_max_batch_size=max(args.tps_batch_sizes))
-    print(f"tokens/s, {workload} prompts, greedy, {args.output_len} tokens each, {name} k={args.num_draft_tokens}:")
+    fixed k and with the adaptive k (the engine's, at most k); whether every output was identical."""
+    config = replace(engine.config, num_draft_tokens=k, speculative_max_batch_size=max(args.tps_batch_sizes))
+    print(f"tokens/s, {workload} prompts, greedy, {args.output_len} tokens each, {name} k={k}:")
     print("| batch | plain tok/s | fixed k tok/s | adaptive k tok/s | speed-up (adaptive) | acceptance | "
           "tokens/step | identical |")
     print("|---|---|---|---|---|---|---|---|")
@@ -277,7 +282,7 @@ def tps_runs(engine: Engine, prompts, args, drafter, name: str, emit, model: str
         rate = s.num_accepted / s.num_drafted if s.num_drafted else 0.0
         per_step = 1 + s.num_accepted / s.num_verified if s.num_verified else 1.0
         emit({"bench": "spec-tps", "model": model, "workload": workload, "drafter": name, "batch": b,
-              "num_draft_tokens": args.num_draft_tokens, "output_len": args.output_len, "plain_tok_s": plain_tps,
+              "num_draft_tokens": k, "output_len": args.output_len, "plain_tok_s": plain_tps,
               "fixed_k_tok_s": fixed_tps, "spec_tok_s": spec_tps, "speedup": spec_tps / plain_tps,
               "acceptance_rate": rate, "tokens_per_step": per_step, "identical_outputs": same, "requests": b})
         print(f"| {b} | {plain_tps:.1f} | {fixed_tps:.1f} | {spec_tps:.1f} | {spec_tps / plain_tps:.2f} | {rate:.2f} "
@@ -307,19 +312,21 @@ def main(argv=None) -> int:
     engine = None if args.batch1_only else verify_table(args, emit)
     if not args.model:
         prompts, model = synthetic_prompts(engine, args), "tiny" if args.tiny else "Llama-3.1-8B shapes, dummy weights"
-        ok = tps_runs(engine, prompts, args, NgramDrafter(engine.config.ngram_size), "n-gram", emit, model)
+        ok = tps_runs(engine, prompts, args, NgramDrafter(engine.config.ngram_size), "n-gram", emit, model,
+                      ngram_k(args))
         return 0 if ok else 1
     del engine
     free()
     engine, workloads = real_engine(args)
     ok = all([tps_runs(engine, prompts, args, NgramDrafter(engine.config.ngram_size), "n-gram", emit, args.model,
-                       workload) for workload, prompts in workloads.items()])
+                       ngram_k(args), workload) for workload, prompts in workloads.items()])
     if args.draft_model:
         del engine
         free()
         engine, workloads = real_engine(args, draft=True)
         ok &= all([tps_runs(engine, prompts, args, engine.spec.drafter, f"drafted by {args.draft_model}", emit,
-                            args.model, workload) for workload, prompts in workloads.items()])
+                            args.model, engine.config.num_draft_tokens, workload)
+                   for workload, prompts in workloads.items()])
     return 0 if ok else 1
 
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from lowbit.bench.engine_overhead import TINY, DummyTokenizer
-from lowbit.serve.engine.config import EngineConfig
+from lowbit.serve.engine.config import DEFAULT_NUM_DRAFT_TOKENS, EngineConfig
 from lowbit.serve.engine.engine import Engine
 from lowbit.serve.engine.sampling_params import SamplingParams
 from lowbit.serve.spec.decoder import SpecDecoder
@@ -83,7 +83,7 @@ def timed_run(engine: Engine, prompt: list[int], batch: int, output_len: int, de
 def run(args, emit) -> bool:
     """Per workload and batch size: host tokens/s plain, n-gram with a fixed k and with the adaptive k."""
     print(f"host-only tokens/s (process CPU time, model forward stubbed), greedy, {args.output_len} tokens each, "
-          f"n-gram k={args.num_draft_tokens}: median of {args.repeats}")
+          f"n-gram k={args.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS['ngram']}: median of {args.repeats}")
     print("| workload | batch | plain tok/s | n-gram fixed k | adaptive k | speed-up (adaptive) | acceptance | "
           "tokens/step | identical |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -106,7 +106,8 @@ def run(args, emit) -> bool:
             s = decoders["adaptive"]
             rate = s.num_accepted / s.num_drafted if s.num_drafted else 0.0
             per_step = 1 + s.num_accepted / s.num_verified if s.num_verified else 1.0  # per sequence and step
-            emit({"bench": "spec-host", "workload": workload, "batch": b, "num_draft_tokens": args.num_draft_tokens,
+            emit({"bench": "spec-host", "workload": workload, "batch": b,
+                  "num_draft_tokens": engine.config.num_draft_tokens,
                   "output_len": args.output_len, "plain_tok_s": tps["plain"], "fixed_k_tok_s": tps["fixed"],
                   "adaptive_k_tok_s": tps["adaptive"], "speedup": tps["adaptive"] / tps["plain"],
                   "acceptance_rate": rate, "tokens_per_step": per_step, "identical_outputs": same})
