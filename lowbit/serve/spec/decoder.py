@@ -12,12 +12,11 @@ MAX_PAUSE = 16  # tokens: the longest a sequence whose drafts keep missing decod
 class SpecDecoder:
     """Owns the drafter and the acceptance counters; `Engine.step` hands it pure-decode batches (`applies`)."""
 
-    def __init__(self, drafter, config: EngineConfig, adaptive: bool = True):
-        """adaptive: each sequence drafts its own k (`_adapt`); False: always num_draft_tokens (for benchmarks)."""
+    def __init__(self, drafter, config: EngineConfig, pausing: bool = True):
+        """pausing: a sequence whose drafts miss pauses drafting (`_pace`); False: never (for benchmarks)."""
         self.drafter = drafter
         self.k = config.num_draft_tokens  # the most tokens a sequence drafts per step
-        self.adaptive = adaptive
-        self.ks: dict[int, int] = {}  # by seq_id: the sequence's k for its next step (absent: self.k)
+        self.pausing = pausing
         self.pauses: dict[int, tuple[int, int]] = {}  # by seq_id: (drafts again from this many tokens, pause length)
         self.max_batch_size = config.speculative_max_batch_size
         self.num_steps = 0  # verify steps run
@@ -27,7 +26,7 @@ class SpecDecoder:
 
     def applies(self, batch: Batch) -> bool:
         """Pure decode (one token per sequence, none in prefill), no larger than the auto-off batch size, and a
-        sequence not pausing (`_adapt`): else the step runs as plain decoding (overlapped on the GPU)."""
+        sequence not pausing (`_pace`): else the step runs as plain decoding (overlapped on the GPU)."""
         return batch.is_decode and len(batch.seqs) <= self.max_batch_size and any(map(self._drafting, batch.seqs))
 
     def _drafting(self, seq: Sequence) -> bool:
@@ -56,7 +55,7 @@ class SpecDecoder:
             self.num_verified += bool(d)
             self.num_drafted += len(d)
             self.num_accepted += len(tokens) - 1
-            self._adapt(seq, len(d), len(tokens) - 1)
+            self._pace(seq, len(d), len(tokens) - 1)
             for token, logprob in zip(tokens, logprobs):
                 engine._append(seq, request, token, logprob, now)
                 num_emitted += 1
@@ -76,8 +75,7 @@ class SpecDecoder:
         limits = []
         for seq in batch.seqs:
             left = engine.requests[seq.request_id].max_tokens - seq.num_completion_tokens - 1
-            k = self.ks.get(seq.seq_id, self.k) if self._drafting(seq) else 0
-            limits.append(max(0, min(k, left, budget)))
+            limits.append(max(0, min(self.k if self._drafting(seq) else 0, left, budget)))
             budget -= limits[-1]
         drafts = self.drafter.propose(batch.seqs, limits)
         for i, (seq, d) in enumerate(zip(batch.seqs, drafts)):
@@ -88,15 +86,15 @@ class SpecDecoder:
                     drafts[i] = []
         return drafts
 
-    def _adapt(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """The sequence's next k: doubled (up to self.k) after a step that accepted every drafted token, one more
-        than the accepted count after a rejection. A step that accepted nothing also pauses drafting for the next 1,
-        2, 4 .. MAX_PAUSE tokens (doubling while drafts keep missing): a verify step costs more than a decode step,
-        more so on the GPU, where plain decode steps overlap with the host and a verify step waits for it."""
-        if not self.adaptive or not drafted:
+    def _pace(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A step that drafted and accepted nothing pauses the sequence's drafting for its next 1, 2, 4 .. MAX_PAUSE
+        tokens (doubling while drafts keep missing; an accepted token ends it): a verify step costs more than a
+        decode step, more so on the GPU, where plain decode steps overlap with the host and a verify step waits for
+        it. k itself stays num_draft_tokens: at the batch sizes that speculate, a verify step costs about the same
+        for any k up to 8, and shrinking k after a rejection lost accepted tokens when replayed on real text
+        (dev/bench/spec_policy_sim.py)."""
+        if not self.pausing or not drafted:
             return
-        k = self.ks.get(seq.seq_id, self.k)
-        self.ks[seq.seq_id] = min(self.k, 2 * k) if accepted == drafted else accepted + 1
         if accepted:
             self.pauses.pop(seq.seq_id, None)
         else:
@@ -105,7 +103,6 @@ class SpecDecoder:
 
     def release(self, seq: Sequence) -> None:
         """The target sequence finished or was aborted: the drafter drops what it keeps for it."""
-        self.ks.pop(seq.seq_id, None)
         self.pauses.pop(seq.seq_id, None)
         self.drafter.release(seq)
 

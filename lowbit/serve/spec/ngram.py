@@ -1,6 +1,10 @@
 """N-gram prompt lookup: the tokens that followed the latest earlier occurrence of a sequence's last n tokens."""
 from lowbit.serve.engine.sequence import Sequence
 
+# the shortest suffix looked up (unless ngram_size is 1): a single-token match is weak evidence in a large vocabulary;
+# replayed on the embedded model's greedy chat text it drafted mostly rejected tokens (dev/bench/spec_policy_sim.py)
+MIN_MATCH = 2
+
 
 class NgramIndex:
     """One sequence's history as a map from each m-gram (m = 1..n) to the end of its most recent occurrence that a
@@ -14,14 +18,14 @@ class NgramIndex:
         self.indexed = 0  # m-grams ending before this position are in `last`
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to k tokens following the most recent earlier occurrence of the last m tokens (m = n, n-1, ..., 1: the
-        longest that occurs); [] when none occurs."""
+        """Up to k tokens following the most recent earlier occurrence of the last m tokens (m = n, n-1, ...,
+        MIN_MATCH (1 when n is): the longest that occurs); [] when none occurs."""
         length, n, last = len(token_ids), self.n, self.last
         for e in range(self.indexed, length - 1):  # every end with a token after it
             for m in range(1, min(n, e + 1) + 1):
                 last[tuple(token_ids[e + 1 - m:e + 1])] = e
         self.indexed = max(self.indexed, length - 1)
-        for m in range(min(n, length - 1), 0, -1):
+        for m in range(min(n, length - 1), min(n, MIN_MATCH) - 1, -1):
             e = last.get(tuple(token_ids[length - m:]))
             if e is not None:
                 return token_ids[e + 1:e + 1 + k]
@@ -35,7 +39,7 @@ def lookup(token_ids: list[int], n: int, k: int) -> list[int]:
 
 class NgramDrafter:
     """Proposes, for each sequence, up to k tokens copied from its own history (prompt and output): the longest
-    suffix of length n..1 that occurred before, at its most recent occurrence. A deterministic proposal. Keeps an
+    suffix of length n..MIN_MATCH that occurred before, at its most recent occurrence. A deterministic proposal. Keeps an
     NgramIndex per running sequence."""
 
     def __init__(self, ngram_size: int):
