@@ -68,6 +68,23 @@ def test_greedy_outputs_equal_plain_decoding_and_drafts_are_accepted(settings):
         assert engine.scheduler.num_preemptions > 0
 
 
+def test_steps_without_drafts_are_launched_overlapped_and_outputs_still_equal():
+    """n = 3 (matches of 2+ tokens): some steps find no draft; with overlapped steps they are launched like plain
+    decode steps (their tokens resolved at the next step) and the outputs stay those of plain decoding."""
+    settings = dict(num_kv_blocks=96, overlap_steps=True)
+    plain = generate(tiny_engine(**settings), PROMPTS, GREEDY)
+    engine = tiny_engine(speculative="ngram", num_draft_tokens=4, **settings)
+    step, launched = engine.spec.step, []
+
+    def counted(eng, batch):
+        out = step(eng, batch)
+        launched.append(eng.in_flight is not None)
+        return out
+    engine.spec.step = counted
+    assert_same(plain, generate(engine, PROMPTS, GREEDY))
+    assert any(launched) and engine.spec.num_steps > 0 and engine.block_manager.num_used_blocks == 0
+
+
 def test_prefix_reuse_after_verify_steps_keeps_outputs():
     """A second round finds the first round's blocks (prompt + accepted tokens); rejected drafts were never hashed,
     so the reused prefixes give the same tokens as a fresh engine without speculation."""

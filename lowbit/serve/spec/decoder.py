@@ -34,10 +34,15 @@ class SpecDecoder:
         return pause is None or seq.num_tokens >= pause[0]
 
     def step(self, engine, batch: Batch) -> list:
-        """Runs `batch` (pure decode, every newest token on the host) with drafts; the engine's RequestOutputs."""
+        """Runs `batch` (pure decode, every newest token on the host, nothing in flight) with drafts; the engine's
+        RequestOutputs."""
         drafts = self._drafts(engine, batch)
-        if not any(drafts):
-            return engine._step_now(batch)
+        if not any(drafts):  # a plain step, overlapped where the engine overlaps (its outputs come with the next)
+            if not engine.overlap:
+                return engine._step_now(batch)
+            engine.in_flight = engine._launch(batch)
+            engine.scheduler.commit_full_blocks(batch.seqs)
+            return []
         seqs = batch.seqs
         first = [s.num_tokens for s in seqs]  # position of the first token this step emits, per sequence
         for seq, d in zip(seqs, drafts):
