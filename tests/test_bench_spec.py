@@ -38,14 +38,33 @@ def test_break_even_acceptance_solves_tokens_per_step_equal_to_the_cost_ratio():
 
 @pytest.mark.slow
 def test_spec_bench_draft_model_batch1_on_the_embedded_model(tmp_path, capsys):
-    """`--model M --draft-model M --batch1-only --tps-batch-sizes 1`: the model drafting for itself accepts every
-    draft, outputs agree."""
+    """`--model M --draft-model M --batch1-only --tps-batch-sizes 1`: both workloads (quote, chat) with each drafter;
+    the model drafting for itself accepts every draft, outputs agree."""
     out = tmp_path / "spec.jsonl"
     argv = ["--device", "cpu", "--model", "smollm2-135m", "--draft-model", "smollm2-135m", "--batch1-only",
             "--output-len", "12", "--tps-batch-sizes", "1", "--json", str(out)]
     assert load("spec").main(argv) == 0
     rows = [r for r in map(json.loads, out.read_text().splitlines()) if r["bench"] == "spec-tps"]
-    assert [r["drafter"] for r in rows] == ["n-gram", "drafted by smollm2-135m"]
-    draft = rows[1]
-    assert draft["identical_outputs"] == 1 and draft["spec_tok_s"] > 0 and draft["acceptance_rate"] == 1.0
+    assert [(r["drafter"], r["workload"]) for r in rows] == [("n-gram", "quote"), ("n-gram", "chat"),
+                                                             ("drafted by smollm2-135m", "quote"),
+                                                             ("drafted by smollm2-135m", "chat")]
+    for draft in rows[2:]:
+        assert draft["identical_outputs"] == 1 and draft["spec_tok_s"] > 0 and draft["acceptance_rate"] == 1.0
     assert "drafted by smollm2-135m" in capsys.readouterr().out
+
+
+def test_spec_bench_host_only_quote_drafts_are_accepted_and_outputs_agree(tmp_path, capsys):
+    """`--host-only`: scripted stub forward; on the quoting script every draft is accepted (k + 1 tokens per verify
+    step), on the chat script drafts run out or miss; outputs equal plain decoding's in both."""
+    out = tmp_path / "spec.jsonl"
+    argv = ["--host-only", "--tps-batch-sizes", "1,2", "--repeats", "1", "--passage", "32", "--output-len", "48",
+            "--num-draft-tokens", "4", "--json", str(out)]
+    assert load("spec").main(argv) == 0
+    rows = {(r["workload"], r["batch"]): r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(rows) == [("chat", 1), ("chat", 2), ("quote", 1), ("quote", 2)]
+    assert all(r["identical_outputs"] and r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 for r in rows.values())
+    # k + 1 = 5 tokens per verify step, fewer in the steps that max_tokens cuts short
+    assert rows["quote", 1]["acceptance_rate"] == 1.0 and 4.5 < rows["quote", 1]["tokens_per_step"] <= 5.0
+    assert rows["chat", 1]["acceptance_rate"] < 1.0
+    assert rows["chat", 1]["tokens_per_step"] < rows["quote", 1]["tokens_per_step"]
+    assert "| quote | 1 |" in capsys.readouterr().out

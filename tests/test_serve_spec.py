@@ -9,10 +9,12 @@ import torch
 from lowbit.serve.engine.block_manager import BlockManager
 from lowbit.serve.engine.config import EngineConfig
 from lowbit.serve.engine.sampling_params import SamplingParams
+from lowbit.serve.engine.scheduler import Batch
 from lowbit.serve.engine.sequence import Sequence
 from lowbit.serve.runner.block_tables import BlockTables
 from lowbit.serve.runner.sampler import Sampler, truncate
-from lowbit.serve.spec.ngram import lookup
+from lowbit.serve.spec.decoder import MAX_PAUSE, SpecDecoder
+from lowbit.serve.spec.ngram import MIN_MATCH, NgramDrafter, NgramIndex, lookup
 from lowbit.serve.spec.verify import emitted, verify
 from test_serve_host_path import tiny_engine
 
@@ -56,14 +58,31 @@ def assert_same(plain, spec, logprob_tol=1e-4):
 ], ids=["batch", "chunked", "preempt", "overlap"])
 def test_greedy_outputs_equal_plain_decoding_and_drafts_are_accepted(settings):
     plain = generate(tiny_engine(**settings), PROMPTS, GREEDY)
-    engine = tiny_engine(speculative="ngram", num_draft_tokens=4, **settings)
-    spec = generate(engine, PROMPTS, GREEDY)
+    engine = tiny_engine(speculative="ngram", num_draft_tokens=4, ngram_size=1, **settings)  # one-token matches:
+    spec = generate(engine, PROMPTS, GREEDY)  # the most drafts, and rejections
     assert_same(plain, spec)
     assert engine.spec.num_steps > 0 and engine.spec.num_accepted > 0
     assert engine.spec.num_accepted < engine.spec.num_drafted  # rejections were rolled back too
     assert engine.block_manager.num_used_blocks == 0
     if settings.get("num_kv_blocks") == 30:
         assert engine.scheduler.num_preemptions > 0
+
+
+def test_steps_without_drafts_are_launched_overlapped_and_outputs_still_equal():
+    """n = 3 (matches of 2+ tokens): some steps find no draft; with overlapped steps they are launched like plain
+    decode steps (their tokens resolved at the next step) and the outputs stay those of plain decoding."""
+    settings = dict(num_kv_blocks=96, overlap_steps=True)
+    plain = generate(tiny_engine(**settings), PROMPTS, GREEDY)
+    engine = tiny_engine(speculative="ngram", num_draft_tokens=4, **settings)
+    step, launched = engine.spec.step, []
+
+    def counted(eng, batch):
+        out = step(eng, batch)
+        launched.append(eng.in_flight is not None)
+        return out
+    engine.spec.step = counted
+    assert_same(plain, generate(engine, PROMPTS, GREEDY))
+    assert any(launched) and engine.spec.num_steps > 0 and engine.block_manager.num_used_blocks == 0
 
 
 def test_prefix_reuse_after_verify_steps_keeps_outputs():
@@ -161,8 +180,61 @@ def test_ngram_lookup_copies_after_the_latest_longest_match():
     assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 3, 2) == [7, 1]  # the most recent occurrence
     assert lookup([5, 2, 3, 8, 4, 2, 3], 3, 4) == [8, 4, 2, 3]  # the 2-gram "2 3": 3-gram "4 2 3" never occurred
     assert lookup([1, 2, 3, 4], 2, 3) == []
-    assert lookup([7, 7], 3, 3) == [7]
+    assert lookup([7, 7, 7], 3, 3) == [7]  # the 2-gram "7 7"
+    assert lookup([7, 7], 3, 3) == [] and lookup([7, 7], 1, 3) == [7]  # one-token matches only when n is 1
     assert lookup([7], 3, 3) == []
+
+
+def brute_force_lookup(ids: list[int], n: int, k: int) -> list[int]:
+    """The definition, scanned from scratch: the longest suffix (n..MIN_MATCH tokens, 1 when n is) with an earlier
+    occurrence that a token follows, its most recent one, the k tokens after it."""
+    for m in range(min(n, len(ids) - 1), min(n, MIN_MATCH) - 1, -1):
+        for e in range(len(ids) - 2, m - 2, -1):
+            if ids[e + 1 - m:e + 1] == ids[len(ids) - m:]:
+                return ids[e + 1:e + 1 + k]
+    return []
+
+
+def test_incremental_ngram_index_equals_a_scan_of_the_whole_history():
+    """One index kept across a growing history (1-3 tokens appended between lookups, as verify steps append them)
+    proposes what a scan of the whole history proposes, at every step."""
+    gen = torch.Generator().manual_seed(0)
+    for n, vocab in [(3, 4), (2, 9), (1, 3), (4, 6)]:
+        ids, index = torch.randint(0, vocab, (5,), generator=gen).tolist(), NgramIndex(n)
+        for step in range(150):
+            k = step % 5 + 1
+            assert index.propose(ids, k) == brute_force_lookup(ids, n, k), (n, vocab, step)
+            ids += torch.randint(0, vocab, (step % 3 + 1,), generator=gen).tolist()
+
+
+def test_a_sequence_whose_drafts_miss_pauses_drafting_for_doubling_spans():
+    dec = SpecDecoder(NgramDrafter(3), EngineConfig(speculative="ngram", num_draft_tokens=8))
+    seq = Sequence(list(range(20)), SamplingParams())
+    seq.num_computed_tokens = 19  # a decode: its newest token is uncomputed
+
+    def step(drafted, accepted):  # what SpecDecoder.step does around _pace: the sequence gains accepted + 1 tokens
+        dec._pace(seq, drafted, accepted)
+        seq.token_ids += [0] * (accepted + 1)
+        seq.num_computed_tokens = seq.num_tokens - 1
+
+    step(8, 2)
+    assert dec.applies(Batch([seq], [1]))  # a partial acceptance: no pause
+    pauses = []
+    for _ in range(7):  # misses: pauses of 1, 2, 4 ... MAX_PAUSE tokens of plain decoding
+        step(8, 0)
+        n = 0
+        while not dec.applies(Batch([seq], [1])):
+            seq.token_ids.append(0)
+            seq.num_computed_tokens += 1
+            n += 1
+        pauses.append(n)
+    assert pauses == [1, 2, 4, 8, 16, 16, 16] and MAX_PAUSE == 16
+    step(8, 1)  # a hit ends the pausing
+    assert seq.seq_id not in dec.pauses
+    step(8, 0)
+    assert dec.pauses[seq.seq_id][1] == 1
+    dec.release(seq)
+    assert not dec.pauses
 
 
 def test_truncate_gives_back_rejected_blocks_and_keeps_refcounts():

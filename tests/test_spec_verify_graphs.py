@@ -119,7 +119,7 @@ def test_padded_verify_buffers_through_the_triton_kernels_match_eager():
         pytest.skip("needs TRITON_INTERPRET=1 before triton's import")
     prompts, params = PROMPTS[:2], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     plain_engine = tiny_engine(num_kv_blocks=96)  # (an engine on the CPU installs the torch backend)
-    engine = tiny_engine(speculative="ngram", num_draft_tokens=3, num_kv_blocks=96)
+    engine = tiny_engine(speculative="ngram", num_draft_tokens=3, ngram_size=1, num_kv_blocks=96)  # drafts often
     pairs = emulate(engine.runner, range(2, 5))
     saved = attention._backend
     try:

@@ -15,6 +15,7 @@ real checkpoint.
    it to repeat a passage), where acceptance is what real text gives.
 3. With --model and --draft-model: the same runs with the draft model drafting (e.g. the int4_awq copy of an fp8
    target). --batch1-only skips part 1 (with --model).
+--host-only: instead, the host's work per token on the CPU, model forward stubbed (lowbit/bench/spec_host.py).
 """
 import argparse
 import statistics
@@ -28,7 +29,7 @@ import torch
 from lowbit.bench.serve_bench import LLAMA_3_1_8B, TINY, DummyTokenizer, free, sync
 from lowbit.bench_cli import int_list, json_lines
 from lowbit.progress import stage
-from lowbit.serve.engine.config import EngineConfig
+from lowbit.serve.engine.config import DEFAULT_NUM_DRAFT_TOKENS, EngineConfig
 from lowbit.serve.engine.engine import Engine
 from lowbit.serve.engine.sampling_params import SamplingParams
 from lowbit.serve.engine.scheduler import Batch
@@ -51,23 +52,27 @@ def parse(argv):
     p.add_argument("--repeats", type=int, default=20, help="timed steps per point (median)")
     p.add_argument("--passage", type=int, default=128, help="tokens of the passage the workload's prompt repeats")
     p.add_argument("--output-len", type=int, default=256, help="greedy tokens generated per request")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="k of the tokens/s runs")
+    p.add_argument("--num-draft-tokens", type=int, help="k of the tokens/s runs (default: the engine's, by drafter)")
     p.add_argument("--model", help="part 2 on this checkpoint (store name or directory) instead of dummy weights")
     p.add_argument("--draft-model", help="part 3: this checkpoint drafts for --model (same tokenizer)")
     p.add_argument("--batch1-only", "--no-verify-table", dest="batch1_only", action="store_true",
                    help="skip part 1 (the verify-step table)")
     p.add_argument("--no-eager", action="store_true", help="part 1 without the eager verify-step timings")
     p.add_argument("--tiny", action="store_true", help="a tiny fp32 model (CPU smoke test)")
+    p.add_argument("--host-only", action="store_true",
+                   help="host work per token, plain vs n-gram, model forward stubbed (CPU; --repeats runs each)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="also write the JSON lines here")
     args = p.parse_args(argv)
     for flag in ("batch_sizes", "ks", "tps_batch_sizes"):
         setattr(args, flag, int_list(p, "--" + flag.replace("_", "-"), getattr(args, flag)))
     for flag in ("context", "repeats", "passage", "output_len", "num_draft_tokens"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.draft_model and not args.model:
         p.error("--draft-model needs --model (the target it drafts for)")
+    if args.host_only and (args.model or args.tiny):
+        p.error("--host-only stubs the model: no --model or --tiny")
     if args.batch1_only and not args.model:
         p.error("--batch1-only needs --model (part 2 on dummy weights uses part 1's engine)")
     return args
@@ -89,7 +94,7 @@ def build(args) -> Engine:
     if engine.runner.graphs is not None:
         with stage("capturing verify CUDA graphs"):
             engine.runner.verify_graphs = engine.runner.capture_verify_graphs(
-                sorted({k + 1 for k in args.ks} | {args.num_draft_tokens + 1}))
+                sorted({k + 1 for k in args.ks} | {ngram_k(args) + 1}))
     return engine
 
 
@@ -98,17 +103,26 @@ PASSAGE = ("The committee met on Tuesday to review the budget. It agreed to fund
            "who had counted the survey forms by hand.")
 
 
-def real_engine(args, draft: bool = False) -> tuple[Engine, list[list[int]]]:
-    """The checkpoint --model (drafted for by --draft-model when draft, else by n-grams) and, per request of the
-    largest batch, a prompt that asks it to repeat a passage (its own tokenizer)."""
+CHAT = ["Write a short story about a robot who learns to paint.", "What are the benefits of regular exercise?",
+        "Explain how a rainbow forms.", "Give me three tips for learning a new language.",
+        "Why do cats purr?", "Describe a good breakfast for a busy morning.", "How does a bicycle stay upright?",
+        "What should I pack for a weekend trip to the mountains?"]
+
+
+def real_engine(args, draft: bool = False) -> tuple[Engine, dict[str, list[list[int]]]]:
+    """The checkpoint --model (drafted for by --draft-model when draft, else by n-grams) and, per workload, a prompt
+    per request of the largest batch (its own tokenizer): `quote` asks it to repeat a passage, `chat` asks an
+    open question (nothing to copy but what the answer repeats of itself)."""
     spec = dict(speculative="draft", draft_model=args.draft_model) if draft else dict(speculative="ngram")
     most = max(args.tps_batch_sizes)
     cfg = EngineConfig(max_batch_size=most, speculative_max_batch_size=most, device=args.device,
                        num_draft_tokens=args.num_draft_tokens, **spec)
     engine = Engine(args.model, cfg)
-    texts = [f"Request {i}. Passage: {PASSAGE}\nRepeat the passage word for word.\nPassage: {PASSAGE}\n"
+    quote = [f"Request {i}. Passage: {PASSAGE}\nRepeat the passage word for word.\nPassage: {PASSAGE}\n"
              f"Again, word for word:\n" for i in range(most)]
-    return engine, [engine.tokenizer.encode(t) for t in texts]
+    chat = [f"User: {CHAT[i % len(CHAT)]} (request {i})\nAssistant:" for i in range(most)]
+    return engine, {name: [engine.tokenizer.encode(t) for t in texts] for name, texts in (("quote", quote),
+                                                                                          ("chat", chat))}
 
 
 def prompt_len(args) -> int:
@@ -220,10 +234,10 @@ def print_break_even(rows, emit) -> None:
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], output_len: int, decoder) -> tuple[float, list, object]:
-    """(tokens/s, outputs, decoder) of greedy requests for every prompt at once, speculating with decoder (None:
-    not; its counters start at zero), after a short warm-up batch of the same prompts (the kernels' first launches
-    at this batch's prefill and verify shapes compile outside the timed run; with prefix caching on, the timed
-    prompts then hit the cache, so both runs measure mostly decode)."""
+    """(tokens/s (on the CPU: per process CPU second), outputs, decoder) of greedy requests for every prompt at once,
+    speculating with decoder (None: not; its counters start at zero), after a short warm-up batch of the same prompts
+    (the kernels' first launches at this batch's prefill and verify shapes compile outside the timed run; with
+    prefix caching on, the timed prompts then hit the cache, so both runs measure mostly decode)."""
     engine.spec = decoder
     for i, p in enumerate(prompts):
         engine.add_request(f"warm-{i}", p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -232,8 +246,9 @@ def run_batch(engine: Engine, prompts: list[list[int]], output_len: int, decoder
     if decoder is not None:
         decoder.num_steps = decoder.num_verified = decoder.num_drafted = decoder.num_accepted = 0
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    clock = time.perf_counter if engine.runner.device.type == "cuda" else time.process_time  # CPU: shared machine
     sync()
-    t0, out = time.perf_counter(), {}
+    t0, out = clock(), {}
     ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for i, p in zip(ids, prompts):
         engine.add_request(i, p, params, stream=False)
@@ -242,30 +257,38 @@ def run_batch(engine: Engine, prompts: list[list[int]], output_len: int, decoder
             if o.finished:
                 out[o.request_id] = o.outputs[0].token_ids
     sync()
-    return len(prompts) * output_len / (time.perf_counter() - t0), [out[i] for i in ids], decoder
+    return len(prompts) * output_len / (clock() - t0), [out[i] for i in ids], decoder
 
 
-def tps_runs(engine: Engine, prompts, args, drafter, name: str, emit, model: str) -> bool:
-    """Part 2 / 3: plain vs speculative tokens/s at each --tps-batch-sizes (the auto-off lifted); whether every
-    output was identical."""
-    config = replace(engine.config, num_draft_tokens=args.num_draft_tokens,
-                     speculative_max_batch_size=max(args.tps_batch_sizes))
-    print(f"tokens/s, quote-heavy prompts, greedy, {args.output_len} tokens each, {name} k={args.num_draft_tokens}:")
-    print("| batch | plain tok/s | spec tok/s | speed-up | acceptance | accepted/step | identical |")
-    print("|---|---|---|---|---|---|---|")
+def ngram_k(args) -> int:
+    return args.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS["ngram"]
+
+
+def tps_runs(engine: Engine, prompts, args, drafter, name: str, emit, model: str, k: int,
+             workload: str = "quote") -> bool:
+    """Part 2 / 3: plain vs speculative tokens/s at each --tps-batch-sizes (the auto-off lifted), speculating with a
+    sequence whose drafts miss pausing its drafting (the engine's way) and without; whether every output was
+    identical."""
+    config = replace(engine.config, num_draft_tokens=k, speculative_max_batch_size=max(args.tps_batch_sizes))
+    print(f"tokens/s, {workload} prompts, greedy, {args.output_len} tokens each, {name} k={k}:")
+    print("| batch | plain tok/s | n-gram, no pausing | n-gram tok/s | speed-up | acceptance | tokens/step | "
+          "identical |")
+    print("|---|---|---|---|---|---|---|---|")
     all_same, pays_up_to, paying = True, 0, True
     for b in args.tps_batch_sizes:
         plain_tps, plain, _ = run_batch(engine, prompts[:b], args.output_len, None)
+        fixed_tps, fixed, _ = run_batch(engine, prompts[:b], args.output_len,
+                                        SpecDecoder(drafter, config, pausing=False))
         spec_tps, spec, s = run_batch(engine, prompts[:b], args.output_len, SpecDecoder(drafter, config))
-        same = sum(x == y for x, y in zip(plain, spec))
+        same = sum(x == y == z for x, y, z in zip(plain, fixed, spec))
         rate = s.num_accepted / s.num_drafted if s.num_drafted else 0.0
-        per_step = s.num_accepted / s.num_verified if s.num_verified else 0.0
-        emit({"bench": "spec-tps", "model": model, "drafter": name, "batch": b,
-              "num_draft_tokens": args.num_draft_tokens, "output_len": args.output_len, "plain_tok_s": plain_tps,
-              "spec_tok_s": spec_tps, "speedup": spec_tps / plain_tps, "acceptance_rate": rate,
-              "accepted_per_step": per_step, "identical_outputs": same, "requests": b})
-        print(f"| {b} | {plain_tps:.1f} | {spec_tps:.1f} | {spec_tps / plain_tps:.2f} | {rate:.2f} | {per_step:.2f} "
-              f"| {same}/{b} |")
+        per_step = 1 + s.num_accepted / s.num_verified if s.num_verified else 1.0
+        emit({"bench": "spec-tps", "model": model, "workload": workload, "drafter": name, "batch": b,
+              "num_draft_tokens": k, "output_len": args.output_len, "plain_tok_s": plain_tps,
+              "no_pausing_tok_s": fixed_tps, "spec_tok_s": spec_tps, "speedup": spec_tps / plain_tps,
+              "acceptance_rate": rate, "tokens_per_step": per_step, "identical_outputs": same, "requests": b})
+        print(f"| {b} | {plain_tps:.1f} | {fixed_tps:.1f} | {spec_tps:.1f} | {spec_tps / plain_tps:.2f} | {rate:.2f} "
+              f"| {per_step:.2f} | {same}/{b} |")
         all_same &= same == b
         paying &= spec_tps >= plain_tps
         pays_up_to = b if paying else pays_up_to
@@ -285,20 +308,27 @@ def main(argv=None) -> int:
     print(f"machine: {device}, torch {torch.__version__}")
     print(f"date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
     emit, _ = json_lines(args.json)
+    if args.host_only:
+        from lowbit.bench.spec_host import run
+        return 0 if run(args, emit) else 1
     engine = None if args.batch1_only else verify_table(args, emit)
-    if args.model:
-        del engine
-        free()
-        engine, prompts = real_engine(args)
-        model = args.model
-    else:
+    if not args.model:
         prompts, model = synthetic_prompts(engine, args), "tiny" if args.tiny else "Llama-3.1-8B shapes, dummy weights"
-    ok = tps_runs(engine, prompts, args, NgramDrafter(engine.config.ngram_size), "n-gram", emit, model)
+        ok = tps_runs(engine, prompts, args, NgramDrafter(engine.config.ngram_size), "n-gram", emit, model,
+                      ngram_k(args))
+        return 0 if ok else 1
+    del engine
+    free()
+    engine, workloads = real_engine(args)
+    ok = all([tps_runs(engine, prompts, args, NgramDrafter(engine.config.ngram_size), "n-gram", emit, args.model,
+                       ngram_k(args), workload) for workload, prompts in workloads.items()])
     if args.draft_model:
         del engine
         free()
-        engine, prompts = real_engine(args, draft=True)
-        ok &= tps_runs(engine, prompts, args, engine.spec.drafter, f"drafted by {args.draft_model}", emit, model)
+        engine, workloads = real_engine(args, draft=True)
+        ok &= all([tps_runs(engine, prompts, args, engine.spec.drafter, f"drafted by {args.draft_model}", emit,
+                            args.model, engine.config.num_draft_tokens, workload)
+                   for workload, prompts in workloads.items()])
     return 0 if ok else 1
 
 

@@ -3,6 +3,11 @@ import re
 from dataclasses import dataclass, fields
 
 
+# the most tokens drafted per sequence and step by default: n-gram drafts cost nothing to make and a verify step costs
+# about the same for k = 1..8 at small batches (docs/performance.md); a draft model runs a forward per drafted token
+DEFAULT_NUM_DRAFT_TOKENS = {"ngram": 8, "draft": 4}
+
+
 @dataclass
 class EngineConfig:
     max_batch_size: int = 64  # sequences in flight
@@ -20,7 +25,7 @@ class EngineConfig:
     overlap_steps: bool | None = None  # host prepares step n+1 while the device runs step n (default: on GPU)
     host_cache_size: int | str = 0  # bytes of host memory for evicted prefix blocks (0: off); "4GiB" works too
     speculative: str | None = None  # drafter: "ngram" (prompt lookup) or "draft" (draft_model); None: off
-    num_draft_tokens: int = 4  # tokens drafted per sequence and step (k)
+    num_draft_tokens: int | None = None  # the most tokens drafted per sequence and step (k); None: by drafter, above
     ngram_size: int = 3  # ngram: the longest suffix looked up in the sequence's history
     draft_model: str | None = None  # draft: store name or directory of a model with the target's vocabulary
     speculative_max_batch_size: int = 16  # speculation turns itself off for larger decode batches
@@ -47,6 +52,8 @@ class EngineConfig:
     def _check_speculative(self) -> None:
         if self.speculative not in (None, "ngram", "draft"):
             raise ValueError(f"speculative must be ngram, draft or none, got {self.speculative!r}")
+        if self.num_draft_tokens is None:
+            self.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS.get(self.speculative, 4)
         for name in ("num_draft_tokens", "ngram_size", "speculative_max_batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", choices=["ngram", "draft"],
                         help="speculative decoding: n-gram prompt lookup, or a draft model (--draft-model)")
     parser.add_argument("--draft-model", metavar="NAME", help="the drafting model (same vocabulary as NAME)")
-    parser.add_argument("--num-draft-tokens", type=int, metavar="K", help="tokens drafted per step (default 4)")
+    parser.add_argument("--num-draft-tokens", type=int, metavar="K", help="most tokens drafted per sequence and step "
+                        "(default 8 for ngram, 4 for draft)")
     parser.add_argument("--tp-size", dest="tensor_parallel_size", type=int, metavar="N",
                         help="split the model over N ranks, one process (and GPU) each (default 1)")
     parser.add_argument("--dp-size", dest="data_parallel_size", type=int, metavar="N",

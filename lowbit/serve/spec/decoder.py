@@ -6,13 +6,18 @@ from lowbit.serve.engine.scheduler import Batch
 from lowbit.serve.engine.sequence import Sequence
 from lowbit.serve.spec.verify import verify
 
+MAX_PAUSE = 16  # tokens: the longest a sequence whose drafts keep missing decodes without drafting
+
 
 class SpecDecoder:
     """Owns the drafter and the acceptance counters; `Engine.step` hands it pure-decode batches (`applies`)."""
 
-    def __init__(self, drafter, config: EngineConfig):
+    def __init__(self, drafter, config: EngineConfig, pausing: bool = True):
+        """pausing: a sequence whose drafts miss pauses drafting (`_pace`); False: never (for benchmarks)."""
         self.drafter = drafter
-        self.k = config.num_draft_tokens
+        self.k = config.num_draft_tokens  # the most tokens a sequence drafts per step
+        self.pausing = pausing
+        self.pauses: dict[int, tuple[int, int]] = {}  # by seq_id: (drafts again from this many tokens, pause length)
         self.max_batch_size = config.speculative_max_batch_size
         self.num_steps = 0  # verify steps run
         self.num_verified = 0  # (sequence, verify step) pairs that had a draft
@@ -20,14 +25,24 @@ class SpecDecoder:
         self.num_accepted = 0  # of those, tokens the target agreed with
 
     def applies(self, batch: Batch) -> bool:
-        """Pure decode (one token per sequence, none in prefill) and no larger than the auto-off batch size."""
-        return batch.is_decode and len(batch.seqs) <= self.max_batch_size
+        """Pure decode (one token per sequence, none in prefill), no larger than the auto-off batch size, and a
+        sequence not pausing (`_pace`): else the step runs as plain decoding (overlapped on the GPU)."""
+        return batch.is_decode and len(batch.seqs) <= self.max_batch_size and any(map(self._drafting, batch.seqs))
+
+    def _drafting(self, seq: Sequence) -> bool:
+        pause = self.pauses.get(seq.seq_id)
+        return pause is None or seq.num_tokens >= pause[0]
 
     def step(self, engine, batch: Batch) -> list:
-        """Runs `batch` (pure decode, every newest token on the host) with drafts; the engine's RequestOutputs."""
+        """Runs `batch` (pure decode, every newest token on the host, nothing in flight) with drafts; the engine's
+        RequestOutputs."""
         drafts = self._drafts(engine, batch)
-        if not any(drafts):
-            return engine._step_now(batch)
+        if not any(drafts):  # a plain step, overlapped where the engine overlaps (its outputs come with the next)
+            if not engine.overlap:
+                return engine._step_now(batch)
+            engine.in_flight = engine._launch(batch)
+            engine.scheduler.commit_full_blocks(batch.seqs)
+            return []
         seqs = batch.seqs
         first = [s.num_tokens for s in seqs]  # position of the first token this step emits, per sequence
         for seq, d in zip(seqs, drafts):
@@ -45,6 +60,7 @@ class SpecDecoder:
             self.num_verified += bool(d)
             self.num_drafted += len(d)
             self.num_accepted += len(tokens) - 1
+            self._pace(seq, len(d), len(tokens) - 1)
             for token, logprob in zip(tokens, logprobs):
                 engine._append(seq, request, token, logprob, now)
                 num_emitted += 1
@@ -64,7 +80,7 @@ class SpecDecoder:
         limits = []
         for seq in batch.seqs:
             left = engine.requests[seq.request_id].max_tokens - seq.num_completion_tokens - 1
-            limits.append(max(0, min(self.k, left, budget)))
+            limits.append(max(0, min(self.k if self._drafting(seq) else 0, left, budget)))
             budget -= limits[-1]
         drafts = self.drafter.propose(batch.seqs, limits)
         for i, (seq, d) in enumerate(zip(batch.seqs, drafts)):
@@ -75,8 +91,24 @@ class SpecDecoder:
                     drafts[i] = []
         return drafts
 
+    def _pace(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A step that drafted and accepted nothing pauses the sequence's drafting for its next 1, 2, 4 .. MAX_PAUSE
+        tokens (doubling while drafts keep missing; an accepted token ends it): a verify step costs more than a
+        decode step, more so on the GPU, where plain decode steps overlap with the host and a verify step waits for
+        it. k itself stays num_draft_tokens: at the batch sizes that speculate, a verify step costs about the same
+        for any k up to 8, and shrinking k after a rejection lost accepted tokens when replayed on real text
+        (dev/bench/spec_policy_sim.py)."""
+        if not self.pausing or not drafted:
+            return
+        if accepted:
+            self.pauses.pop(seq.seq_id, None)
+        else:
+            pause = min(MAX_PAUSE, 2 * self.pauses.get(seq.seq_id, (0, 0))[1] or 1)
+            self.pauses[seq.seq_id] = (seq.num_tokens + 1 + pause, pause)  # its token count after this step: + 1
+
     def release(self, seq: Sequence) -> None:
         """The target sequence finished or was aborted: the drafter drops what it keeps for it."""
+        self.pauses.pop(seq.seq_id, None)
         self.drafter.release(seq)
 
     def gauges(self) -> dict[str, tuple[float, str]]:
