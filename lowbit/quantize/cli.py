@@ -24,6 +24,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                         help="largest safetensors file, e.g. 5GB (default), 500MB, 2GiB; a larger checkpoint is "
                              "written as model-0000k-of-0000n.safetensors + model.safetensors.index.json")
+    parser.add_argument("--layer-by-layer", action="store_true",
+                        help="calibrate and export one decoder layer at a time: host memory holds one float layer, "
+                             "not the model (max-calibrated recipes: fp8, fp8_dynamic, int4_rtn, nvfp4; dense models)")
 
     auto = parser.add_argument_group("--recipe auto (per-layer formats searched under an accuracy gate)")
     auto.add_argument("--gate", help='thresholds the result must pass, as for `lowbit eval`, e.g. "recovery>=0.99"')
@@ -44,10 +47,13 @@ def run(args) -> int:
         return run_auto(args)
     if args.gate:
         raise UserError("--gate is for --recipe auto (gate another checkpoint with `lowbit eval`)")
+    if args.layer_by_layer and args.recipe == "auto":
+        raise UserError("--layer-by-layer does not run --recipe auto (its search evaluates the whole model)")
 
     result = lowbit.quantize(args.model, recipe=args.recipe, out=args.out, calib=args.calib,
                              num_samples=args.num_samples, seq_len=args.seq_len, force=args.force,
-                             export_format=args.export_format, max_shard_size=args.max_shard_size)
+                             export_format=args.export_format, max_shard_size=args.max_shard_size,
+                             layer_by_layer=args.layer_by_layer)
     print(result.summary())
     return 0
 
