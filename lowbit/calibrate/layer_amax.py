@@ -1,5 +1,5 @@
 """Max calibration of one float decoder layer: each linear's input amax, which linears share an input, and the
-attention's k/v amax (keys after rotary, as the cache stores them), recorded while the layer runs unquantized."""
+attention's k/v amax by attention module (keys after rotary, as the cache stores them), recorded while the layer runs unquantized."""
 from contextlib import contextmanager
 
 import torch
@@ -33,11 +33,6 @@ def _kv_attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def attention_modules(layer: nn.Module) -> dict[str, nn.Module]:
-    """{name: module} of the layer's attention modules (those with k_proj and v_proj)."""
-    return {name: m for name, m in layer.named_modules() if hasattr(m, "k_proj") and hasattr(m, "v_proj")}
-
-
 @contextmanager
 def record(layer: nn.Module, config, kv: bool):
     """Yields a LayerAmax that fills while `layer` runs; kv: record k/v amax too (the layer's attention runs
@@ -58,19 +53,19 @@ def record(layer: nn.Module, config, kv: bool):
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
     handles.append(layer.register_forward_hook(lambda *_: seen.clear()))
     saved = config._attn_implementation
-    attns = attention_modules(layer) if kv else {}
+    mods = dict(layer.named_modules()) if kv else {}  # the attention function finds its module's name here
     try:
         if kv:
             from transformers import AttentionInterface
 
             AttentionInterface.register(KV_ATTENTION, _kv_attention)
             config._attn_implementation = KV_ATTENTION
-            for name, m in attns.items():
+            for name, m in mods.items():
                 m._lowbit_amax = (stats, name)
         yield stats
     finally:
         for h in handles:
             h.remove()
-        for m in attns.values():
+        for m in mods.values():
             del m._lowbit_amax
         config._attn_implementation = saved

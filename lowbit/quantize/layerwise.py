@@ -19,7 +19,7 @@ from torch import nn
 
 from lowbit import __version__, formats
 from lowbit.calibrate.groups import _excluded, layer_group
-from lowbit.calibrate.layer_amax import attention_modules, record
+from lowbit.calibrate.layer_amax import record
 from lowbit.calibrate.loop import BATCH_SIZE
 from lowbit.errors import UserError
 from lowbit.progress import Progress
@@ -70,8 +70,9 @@ def quantize_layerwise(src: Path, tokenizer, recipe: Recipe, batches: list[list[
             if not name.startswith(f"{base}.layers."):
                 writer.add(name, tensors[name].float())
         inputs = layer_inputs(model, tensors, batches)
+        # modelopt lists the modules it gave quantizers (exactly nn.Linear and nn.Embedding, not subclasses)
         entries = {f"{n}.quantization": None for n, m in model.named_modules()
-                   if isinstance(m, (nn.Linear, nn.Embedding)) and not n.startswith(f"{base}.layers.")}
+                   if type(m) in (nn.Linear, nn.Embedding) and not n.startswith(f"{base}.layers.")}
         with Progress(len(layers), f"layer by layer {recipe.name}", "layers") as bar:
             for i, layer in enumerate(layers):
                 prefix = f"{base}.layers.{i}"
@@ -187,10 +188,12 @@ def write_layer(writer, layer: nn.Module, prefix: str, stats, recipe: Recipe) ->
             writer.add(f"{prefix}.{key}", value)
     kv = formats.kv_format(recipe.kv_cache)
     if kv is not None:
-        for name in attention_modules(layer):
+        if not stats.k:
+            raise RuntimeError(f"{prefix}: no attention module recorded k/v amax")
+        for name in stats.k:  # scales named as modelopt names them, k_proj.k_scale even where q/k/v are fused
             for which, amax in (("k", stats.k), ("v", stats.v)):
-                if name not in amax or not amax[name] > 0:
-                    raise RuntimeError(f"{prefix}.{name}: {which} cache amax was not recorded")
+                if not amax[name] > 0:
+                    raise RuntimeError(f"{prefix}.{name}: {which} cache amax is {amax[name].item()}")
                 writer.add(f"{prefix}.{name}.{kv.scale_names()[which]}", kv.scale_from_amax(amax[name]))
     return entries
 
