@@ -43,12 +43,12 @@ def run(args) -> int:
     import lowbit
     from lowbit.errors import UserError
 
+    if args.layer_by_layer and args.recipe == "auto":
+        raise UserError("--layer-by-layer does not run --recipe auto (its search evaluates the whole model)")
     if args.recipe == "auto":
         return run_auto(args)
     if args.gate:
         raise UserError("--gate is for --recipe auto (gate another checkpoint with `lowbit eval`)")
-    if args.layer_by_layer and args.recipe == "auto":
-        raise UserError("--layer-by-layer does not run --recipe auto (its search evaluates the whole model)")
 
     result = lowbit.quantize(args.model, recipe=args.recipe, out=args.out, calib=args.calib,
                              num_samples=args.num_samples, seq_len=args.seq_len, force=args.force,

@@ -34,10 +34,10 @@ def check_layerwise(recipe: Recipe, export_format: str) -> None:
     why = None
     if export_format != "modelopt":
         why = f"writes the modelopt format only, not {export_format}"
-    elif fmt.calibration is None or fmt.calibration.modelopt_layer_format is None:
-        why = f"its format {recipe.quant_algo} is not made layer by layer"
     elif recipe.algorithm not in ("max", "rtn"):
         why = f"calibrates with {recipe.algorithm}, a scale search that is not implemented layer by layer"
+    elif fmt.calibration is None or fmt.calibration.modelopt_layer_format is None:
+        why = f"makes {recipe.quant_algo}, which is not made layer by layer"
     elif recipe.rounding != "nearest":
         why = f"rounds with {recipe.rounding}, which is not implemented layer by layer"
     elif recipe.rotation:
@@ -149,6 +149,9 @@ def layer_inputs(model, tensors, batches: list[list[int]]) -> list[tuple]:
                     pass  # the inputs are in `caught`; nothing past layer 0 was meant to run
     finally:
         handle.remove()
+    for child in body.children():
+        if child is not body.layers:
+            child.to_empty(device="meta")  # the embedding is done with
     return caught
 
 
