@@ -165,3 +165,30 @@ def test_cli_refuses_with_one_line(capsys, tmp_path, argv, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+# ---- peak host memory (slow: the quantize runs in a fresh process, ~30 s of imports on a loaded 2-core machine;
+# dev/bench/layerwise_peak_rss.py measures a 1.3 GB model the same way)
+PEAK = dict(vocab_size=49152, hidden_size=256, intermediate_size=4096, num_hidden_layers=48, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=False)
+SLACK = 64 * 2**20  # allocator arenas, the tokenizer, the calibration text
+
+
+@pytest.mark.slow
+def test_peak_memory_is_one_layer_not_the_model(tmp_path):
+    from lowbit.testing.random_model import quantize_peak, write_random_model
+
+    size = write_random_model(tmp_path / "src", LlamaConfig(**PEAK))  # bf16 bytes on disk; float32 is twice that
+    embed = PEAK["vocab_size"] * PEAK["hidden_size"]
+    h, i = PEAK["hidden_size"], PEAK["intermediate_size"]
+    layer = 2 * h * h + 2 * h * (h // 2) + 3 * h * i  # q, o; k, v (2 of 4 heads); gate, up, down
+    # Held at the peak: a vocabulary matrix in float32 while its bf16 source is read (6 bytes a parameter), one
+    # float32 layer and its quantized tensors (< 2 x 4 bytes a parameter), the calibration activations (8 x 64
+    # tokens, a few MiB), and SLACK; the whole-model path holds the whole float32 model instead.
+    bound = 6 * embed + 8 * layer + SLACK
+    r = quantize_peak(tmp_path / "src", tmp_path / "out")
+    growth = r["hwm"] - r["start"]
+    print(f"peak RSS growth {growth / 2**20:.0f} MiB (bound {bound / 2**20:.0f}) for a model of "
+          f"{size / 2**20:.0f} MiB bf16, {2 * size / 2**20:.0f} MiB float32; child ru_maxrss {r['maxrss'] / 2**20:.0f}")
+    assert growth <= bound and growth <= 0.5 * size
+    assert read(tmp_path / "out").quant_algo == "FP8"

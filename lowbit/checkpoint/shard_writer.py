@@ -33,15 +33,24 @@ class ShardWriter:
         self.data = open(self.out / f".shard-{len(self.shards)}.data", "wb")
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.add_rows(name, tensor.shape, tensor.dtype, [tensor])
+
+    def add_rows(self, name: str, shape, dtype: torch.dtype, chunks) -> None:
+        """One tensor of `shape` and `dtype` from consecutive row slices (any dtype; cast as they are written)."""
         if name in self.weight_map:
             raise ValueError(f"tensor {name} written twice")
-        t = tensor.detach().to("cpu").contiguous()
-        nbytes = t.numel() * t.element_size()
+        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
         if self.size and self.size + nbytes > self.max_bytes:
             self._close_shard()
             self._open()
-        self.data.write(t.reshape(-1).view(torch.uint8).numpy().data)
-        self.entries[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape),
+        written = 0
+        for chunk in chunks:
+            t = chunk.detach().to("cpu", dtype).contiguous()
+            self.data.write(t.reshape(-1).view(torch.uint8).numpy().data)
+            written += t.numel() * t.element_size()
+        if written != nbytes:
+            raise ValueError(f"{name}: {written} bytes written for shape {list(shape)} of {dtype}")
+        self.entries[name] = {"dtype": DTYPES[dtype], "shape": list(shape),
                               "data_offsets": [self.size, self.size + nbytes]}
         self.size += nbytes
         self.total += nbytes

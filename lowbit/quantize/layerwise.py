@@ -68,8 +68,8 @@ def quantize_layerwise(src: Path, tokenizer, recipe: Recipe, batches: list[list[
         writer = ShardWriter(tmp, shard_bytes(max_shard_size))
         for name in tensors:  # embeddings, final norm, lm_head: float32, as the whole-model path writes them
             if not name.startswith(f"{base}.layers."):
-                writer.add(name, tensors[name].float())
-        inputs = layer_inputs(model, tensors, batches)
+                writer.add_rows(name, tensors.shape(name), torch.float32, tensors.row_chunks(name))
+        hidden, calls = layer_inputs(model, tensors, batches)
         # modelopt lists the modules it gave quantizers (exactly nn.Linear and nn.Embedding, not subclasses)
         entries = {f"{n}.quantization": None for n, m in model.named_modules()
                    if type(m) in (nn.Linear, nn.Embedding) and not n.startswith(f"{base}.layers.")}
@@ -78,7 +78,7 @@ def quantize_layerwise(src: Path, tokenizer, recipe: Recipe, batches: list[list[
                 prefix = f"{base}.layers.{i}"
                 materialize(model, layer, tensors, prefix)
                 with record(layer, model.config, kv=recipe.kv_cache is not None) as stats, torch.no_grad():
-                    inputs = [(_hidden(layer(h, *args, **kwargs)), args, kwargs) for h, args, kwargs in inputs]
+                    hidden = [_hidden(layer(h, *args, **kwargs)) for h, (args, kwargs) in zip(hidden, calls[i])]
                 entries |= write_layer(writer, layer, prefix, stats, recipe)
                 layer.to_empty(device="meta")
                 bar.update()
@@ -119,40 +119,57 @@ def materialize(model, module: nn.Module, tensors, prefix: str) -> None:
             name = f"{prefix}.{key}"
             if name not in tensors:
                 raise UserError(f"--layer-by-layer: the source model has no tensor {name}")
-            dst.copy_(tensors[name])
+            if dst.dim() < 2:
+                dst.copy_(tensors[name])
+                continue
+            start = 0
+            for rows in tensors.row_chunks(name):  # a vocabulary matrix is never in memory twice
+                dst[start:start + len(rows)].copy_(rows)
+                start += len(rows)
 
 
 class _Caught(Exception):
-    """Raised by the hook on layer 0 once it has the layer's inputs: the rest of the model is not materialized."""
+    """Raised by the last layer's stand-in: the model's forward has handed every layer its arguments."""
 
 
-def layer_inputs(model, tensors, batches: list[list[int]]) -> list[tuple]:
-    """[(hidden states, args, kwargs)] that layer 0 receives, one per calibration chunk of BATCH_SIZE sequences."""
+def layer_inputs(model, tensors, batches: list[list[int]]) -> tuple[list, list[list[tuple]]]:
+    """(the hidden states entering layer 0, one per calibration chunk of BATCH_SIZE sequences; per layer, the other
+    (args, kwargs) the model's forward passes it per chunk: rotary embeddings, the mask of its attention type).
+    The model's own forward runs with each layer replaced by a stand-in that records its arguments."""
     base = model.base_model_prefix
     body = getattr(model, base)
+    layers = body.layers
     for name, child in body.named_children():
-        if child is not body.layers:
+        if child is not layers:
             materialize(model, child, tensors, f"{base}.{name}")
-    caught = []
+    hidden, calls = [], [[] for _ in layers]
 
-    def catch(_, args, kwargs):
-        caught.append((args[0], args[1:], kwargs))
-        raise _Caught
+    def stand_in(i: int):
+        def forward(h, *args, **kwargs):
+            if i == 0:
+                hidden.append(h)
+            calls[i].append((args, kwargs))
+            if i == len(layers) - 1:
+                raise _Caught
+            return h
+        return forward
 
-    handle = body.layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    for i, layer in enumerate(layers):
+        layer.forward = stand_in(i)
     try:
         with torch.no_grad():
             for i in range(0, len(batches), BATCH_SIZE):
                 try:
                     body(torch.tensor(batches[i:i + BATCH_SIZE]), use_cache=False)
                 except _Caught:
-                    pass  # the inputs are in `caught`; nothing past layer 0 was meant to run
+                    pass  # every layer's arguments are recorded; the final norm need not run
     finally:
-        handle.remove()
+        for layer in layers:
+            del layer.forward
     for child in body.children():
-        if child is not body.layers:
+        if child is not layers:
             child.to_empty(device="meta")  # the embedding is done with
-    return caught
+    return hidden, calls
 
 
 def _hidden(output):
