@@ -107,9 +107,10 @@ def meta_model(src: Path):
     return model.eval()
 
 
-def materialize(model, module: nn.Module, tensors, prefix: str) -> None:
+def materialize(model, module: nn.Module, tensors, prefix: str, rows: torch.Tensor | None = None) -> None:
     """Allocates `module` on the CPU in float32 and fills it: persistent tensors from the files, the rest (rotary
-    frequencies) as transformers initializes them."""
+    frequencies) as transformers initializes them. rows: fill only these rows of its matrices (an embedding needs
+    the calibration tokens' rows; the pages of the others are never touched, so never resident)."""
     module.to_empty(device="cpu")
     for sub in module.modules():
         if sub._non_persistent_buffers_set:
@@ -123,9 +124,13 @@ def materialize(model, module: nn.Module, tensors, prefix: str) -> None:
                 dst.copy_(tensors[name])
                 continue
             start = 0
-            for rows in tensors.row_chunks(name):  # a vocabulary matrix is never in memory twice
-                dst[start:start + len(rows)].copy_(rows)
-                start += len(rows)
+            for chunk in tensors.row_chunks(name):  # a vocabulary matrix is never in memory twice
+                if rows is None:
+                    dst[start:start + len(chunk)].copy_(chunk)
+                else:
+                    sel = rows[(rows >= start) & (rows < start + len(chunk))]
+                    dst[sel] = chunk[sel - start].to(dst.dtype)
+                start += len(chunk)
 
 
 class _Caught(Exception):
@@ -139,9 +144,11 @@ def layer_inputs(model, tensors, batches: list[list[int]]) -> tuple[list, list[l
     base = model.base_model_prefix
     body = getattr(model, base)
     layers = body.layers
+    tokens = torch.tensor(batches).unique()
     for name, child in body.named_children():
         if child is not layers:
-            materialize(model, child, tensors, f"{base}.{name}")
+            embedding = child is model.get_input_embeddings()
+            materialize(model, child, tensors, f"{base}.{name}", rows=tokens if embedding else None)
     hidden, calls = [], [[] for _ in layers]
 
     def stand_in(i: int):
