@@ -171,7 +171,7 @@ def test_cli_refuses_with_one_line(capsys, tmp_path, argv, message):
 # dev/bench/layerwise_peak_rss.py measures a 1.3 GB model the same way)
 PEAK = dict(vocab_size=49152, hidden_size=256, intermediate_size=4096, num_hidden_layers=48, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=False)
-SLACK = 64 * 2**20  # allocator arenas, the tokenizer, the calibration text
+SLACK = 96 * 2**20  # the tokenizer, allocator arenas, the calibration text (measured growth here: 115 MiB)
 
 
 @pytest.mark.slow
@@ -179,13 +179,13 @@ def test_peak_memory_is_one_layer_not_the_model(tmp_path):
     from lowbit.testing.random_model import quantize_peak, write_random_model
 
     size = write_random_model(tmp_path / "src", LlamaConfig(**PEAK))  # bf16 bytes on disk; float32 is twice that
-    embed = PEAK["vocab_size"] * PEAK["hidden_size"]
     h, i = PEAK["hidden_size"], PEAK["intermediate_size"]
     layer = 2 * h * h + 2 * h * (h // 2) + 3 * h * i  # q, o; k, v (2 of 4 heads); gate, up, down
-    # Held at the peak: a vocabulary matrix in float32 while its bf16 source is read (6 bytes a parameter), one
-    # float32 layer and its quantized tensors (< 2 x 4 bytes a parameter), the calibration activations (8 x 64
-    # tokens, a few MiB), and SLACK; the whole-model path holds the whole float32 model instead.
-    bound = 6 * embed + 8 * layer + SLACK
+    # Held at the peak: one float32 layer, the float temporaries of quantizing its largest linear and the quantized
+    # tensors (together < 3 x 4 bytes a layer parameter), the calibration activations (8 x 64 tokens, a few MiB), a
+    # 32 MiB row slice of a vocabulary matrix, and SLACK. The embedding is never whole in memory: only the rows of the
+    # calibration tokens are filled. The whole-model path holds the whole float32 model instead (2 x size).
+    bound = 12 * layer + 32 * 2**20 + SLACK
     r = quantize_peak(tmp_path / "src", tmp_path / "out")
     growth = r["hwm"] - r["start"]
     print(f"peak RSS growth {growth / 2**20:.0f} MiB (bound {bound / 2**20:.0f}) for a model of "

@@ -7,6 +7,7 @@ Each quantize runs in a fresh child process; printed: the child's RSS after impo
 growth between them, and ru_maxrss of the children (resource.getrusage RUSAGE_CHILDREN), all in MiB.
 """
 import argparse
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -31,12 +32,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
         t0 = time.time()
-        size = write_random_model(root / "src", cfg)
+        if (root / "src" / "config.json").is_file():  # --keep DIR from an earlier run: the same model again
+            size = sum(f.stat().st_size for f in (root / "src").glob("*.safetensors"))
+        else:
+            size = write_random_model(root / "src", cfg)
         print(f"model: {args.layers} layers, hidden {args.hidden}, {size / 2**20:.0f} MiB bf16 on disk "
-              f"({2 * size / 2**20:.0f} MiB as float32), written in {time.time() - t0:.0f} s")
+              f"({2 * size / 2**20:.0f} MiB as float32), ready in {time.time() - t0:.0f} s")
         runs = [True, False] if args.whole else [True]
         for layer_by_layer in runs:  # layer by layer first: ru_maxrss is the largest child so far
             t0 = time.time()
+            shutil.rmtree(root / f"out-{layer_by_layer}", ignore_errors=True)
             r = quantize_peak(root / "src", root / f"out-{layer_by_layer}", args.recipe, layer_by_layer)
             mib = {k: v / 2**20 for k, v in r.items()}
             print(f"{'layer by layer' if layer_by_layer else 'whole model   '}: RSS after imports {mib['start']:.0f},"

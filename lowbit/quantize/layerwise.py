@@ -81,6 +81,7 @@ def quantize_layerwise(src: Path, tokenizer, recipe: Recipe, batches: list[list[
                     hidden = [_hidden(layer(h, *args, **kwargs)) for h, (args, kwargs) in zip(hidden, calls[i])]
                 entries |= write_layer(writer, layer, prefix, stats, recipe)
                 layer.to_empty(device="meta")
+                release_free_memory()
                 bar.update()
         writer.close()
         write_configs(tmp, src, model, recipe, entries)
@@ -89,6 +90,18 @@ def quantize_layerwise(src: Path, tokenizer, recipe: Recipe, batches: list[list[
     quantized = [k.removesuffix(".quantization") for k, v in entries.items() if k.endswith(".quantization") and v]
     excluded = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized]
     return len(quantized), excluded
+
+
+def release_free_memory() -> None:
+    """Hands the allocator's free pages back to the OS (glibc's malloc_trim): the freed layer's tensors under glibc's
+    mmap threshold (up to 32 MiB) live on the heap, and the next layer's do not always fit in their holes."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def meta_model(src: Path):
