@@ -192,3 +192,27 @@ def test_peak_memory_is_one_layer_not_the_model(tmp_path):
           f"{size / 2**20:.0f} MiB bf16, {2 * size / 2**20:.0f} MiB float32; child ru_maxrss {r['maxrss'] / 2**20:.0f}")
     assert growth <= bound and growth <= 0.5 * size
     assert read(tmp_path / "out").quant_algo == "FP8"
+
+
+def test_shard_writer_reads_back_through_safetensors(tmp_path):
+    from safetensors.torch import load_file
+
+    from lowbit.checkpoint.shard_writer import ShardWriter
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(5, 3, generator=g), "b": torch.tensor(0.25), "c": torch.randn(4, 8).to(torch.bfloat16),
+               "d": torch.randn(6, 2).to(torch.float8_e4m3fn), "e": torch.arange(7, dtype=torch.uint8)}
+    writer = ShardWriter(tmp_path, max_bytes=64)  # shards: a (60 bytes) + b (4) | c (64) | d (12) + e (7) | f (48)
+    for name, t in tensors.items():
+        writer.add(name, t)
+    writer.add_rows("f", (4, 3), torch.float32, [torch.ones(1, 3, dtype=torch.bfloat16), torch.zeros(3, 3)])
+    files = writer.close()
+    assert len(files) == 4 and files[0].name == "model-00001-of-00004.safetensors"
+    back = {}
+    for f in files:
+        back |= load_file(f)
+    assert set(back) == set(tensors) | {"f"}
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name].view(torch.uint8), t.view(torch.uint8)), name
+    assert torch.equal(back["f"], torch.cat([torch.ones(1, 3), torch.zeros(3, 3)]))
+    assert json.loads((tmp_path / SHARD_INDEX).read_text())["weight_map"]["f"] == files[3].name

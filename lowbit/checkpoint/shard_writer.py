@@ -3,6 +3,7 @@
 safetensors puts a JSON header (names, dtypes, shapes, byte offsets) before the data, so a shard's data goes to a
 scratch file as tensors arrive and the header is written in front of it when the shard closes.
 """
+import functools
 import json
 import shutil
 import struct
@@ -12,9 +13,14 @@ import torch
 
 from lowbit.checkpoint.io import SHARD_INDEX
 
-DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-          torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
-          torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+@functools.cache
+def dtype_name(dtype: torch.dtype) -> str:
+    """safetensors' name of a torch dtype (F32, F8_E4M3, ...), read from the header it writes for an empty tensor."""
+    from safetensors.torch import save
+
+    blob = save({"t": torch.empty(0, dtype=dtype)})
+    (length,) = struct.unpack("<Q", blob[:8])
+    return json.loads(blob[8:8 + length])["t"]["dtype"]
 
 
 class ShardWriter:
@@ -50,7 +56,7 @@ class ShardWriter:
             written += t.numel() * t.element_size()
         if written != nbytes:
             raise ValueError(f"{name}: {written} bytes written for shape {list(shape)} of {dtype}")
-        self.entries[name] = {"dtype": DTYPES[dtype], "shape": list(shape),
+        self.entries[name] = {"dtype": dtype_name(dtype), "shape": list(shape),
                               "data_offsets": [self.size, self.size + nbytes]}
         self.size += nbytes
         self.total += nbytes
