@@ -87,7 +87,7 @@ def quantize_layerwise(src: Path, tokenizer, recipe: Recipe, batches: list[list[
         write_configs(tmp, src, model, recipe, entries)
         write_lowbit_files(tmp, tokenizer, recipe, source)
     print(f"[lowbit] quantized layer by layer into {out} in {time.time() - t0:.1f} s", file=sys.stderr)
-    quantized = [k.removesuffix(".quantization") for k, v in entries.items() if k.endswith(".quantization") and v]
+    quantized = {k.removesuffix(".quantization") for k, v in entries.items() if k.endswith(".quantization") and v}
     excluded = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized]
     return len(quantized), excluded
 
