@@ -7,6 +7,7 @@ EXAMPLES = f"""examples:
   quantize --recipe int4_awq meta-llama/Llama-3.1-8B-Instruct -o ./llama8b-awq
   quantize --recipe ./my_recipe.yaml ./my-model --calib data.jsonl --num-samples 128 --force
   quantize --recipe auto --gate "kl<=0.05" --max-bits 6     # per-layer mix, the smallest that passes the gate
+  quantize --recipe fp8 ./big-model --layer-by-layer         # one float layer in host memory, not the model
 recipes: {', '.join(available())}, auto (or a path to a YAML file)"""
 
 
