@@ -1,6 +1,7 @@
 """Reading checkpoint directories, and writing them atomically (temporary directory, then rename)."""
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -103,6 +104,26 @@ class LazyTensors(Mapping):
 
         with safe_open(self._where[name], framework="pt", device=self.device) as handle:
             return handle.get_tensor(name)
+
+    def shape(self, name: str) -> list[int]:
+        from safetensors import safe_open
+
+        with safe_open(self._where[name], framework="pt") as handle:
+            return handle.get_slice(name).get_shape()
+
+    def row_chunks(self, name: str, max_bytes: int = 32 << 20):
+        """The tensor in slices of whole rows (dim 0) of at most ~max_bytes each (as float32). Each slice maps the
+        file anew, so the pages of the slices already read do not stay resident."""
+        from safetensors import safe_open
+
+        shape = self.shape(name)
+        if len(shape) < 2:
+            yield self[name]
+            return
+        step = max(1, max_bytes // (math.prod(shape[1:]) * 4))
+        for start in range(0, shape[0], step):
+            with safe_open(self._where[name], framework="pt", device=self.device) as handle:
+                yield handle.get_slice(name)[start:start + step]
 
     def __contains__(self, name) -> bool:
         return name in self._where

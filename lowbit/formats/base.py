@@ -39,6 +39,9 @@ class Calibration:
     block: int | None = None  # the one group size the format allows (a recipe may leave it unset)
     group_required: bool = False  # a recipe must set group_size; it becomes the weight quantizer's block size
     roundings: tuple = ("nearest",)  # weight roundings a recipe may ask for (gptq: int4 group scales only)
+    # modelopt's per-layer format name (its export's layer_config_dict value): --layer-by-layer writes the
+    # quantization config through modelopt's own builder; None: not made layer by layer
+    modelopt_layer_format: str | None = None
 
     def stock_name(self, algorithm: str) -> str:
         return self.stock_by_algorithm.get(algorithm, self.stock)

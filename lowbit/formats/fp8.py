@@ -21,7 +21,7 @@ class Fp8(Format):
     activation = ACT_STATIC
     kernel = "fp8"
     static_fp8_input = True
-    calibration = Calibration("FP8_DEFAULT_CFG", ("max", "mse"))
+    calibration = Calibration("FP8_DEFAULT_CFG", ("max", "mse"), modelopt_layer_format="fp8")
 
     def dequantize(self, t: dict) -> torch.Tensor:
         return t["weight"].float() * t["weight_scale"].float()

@@ -12,7 +12,7 @@ class Fp8PerToken(Format):
     activation = ACT_PER_TOKEN
     kernel = "fp8"
     dynamic_per_token = True
-    calibration = Calibration("FP8_PER_CHANNEL_PER_TOKEN_CFG", ("max",))
+    calibration = Calibration("FP8_PER_CHANNEL_PER_TOKEN_CFG", ("max",), modelopt_layer_format="fp8_pc_pt")
 
     def dequantize(self, t: dict) -> torch.Tensor:
         return t["weight"].float() * t["weight_scale"].float().reshape(-1, 1)

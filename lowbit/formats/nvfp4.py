@@ -18,7 +18,8 @@ class Nvfp4(Format):
     activation = ACT_BLOCK
     kernel = "nvfp4"
     shard_dims = GROUP_SHARD_DIMS  # per-group scales split with the input features too
-    calibration = Calibration("NVFP4_DEFAULT_CFG", ("max",), block=NVFP4_BLOCK)
+    calibration = Calibration("NVFP4_DEFAULT_CFG", ("max",), block=NVFP4_BLOCK,
+                              modelopt_layer_format="nvfp4")
 
     def shape(self, t: dict) -> tuple[int, int]:
         out, half = t["weight"].shape

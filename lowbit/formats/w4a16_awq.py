@@ -19,7 +19,7 @@ class W4A16Awq(Format):
     shard_dims = GROUP_SHARD_DIMS  # per-group scales split with the input features too
     calibration = Calibration("INT4_AWQ_CFG", ("awq_lite", "awq_clip", "awq_full", "rtn"),
                               {"rtn": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG"}, group_required=True,
-                              roundings=("nearest", "gptq"))
+                              roundings=("nearest", "gptq"), modelopt_layer_format="int4_awq")
 
     def shape(self, t: dict) -> tuple[int, int]:
         rows, inp = t["weight"].shape

@@ -63,14 +63,20 @@ def check_export_format(export_format: str, recipe: Recipe) -> None:
 
 def quantize(model: str = models.DEFAULT_MODEL, recipe="fp8", out=None, calib=None, num_samples=None, seq_len=None,
              force: bool = False, export_format: str = "modelopt",
-             max_shard_size: int | str = "5GB") -> QuantizeResult:
+             max_shard_size: int | str = "5GB", layer_by_layer: bool = False) -> QuantizeResult:
     """Quantize `model` (store name, local HF dir or hub id) with `recipe` (name, path or Recipe) into `out`.
     export_format: "modelopt" (hf_quant_config.json) or "compressed-tensors" (what vLLM loads).
-    max_shard_size: bytes (or "5GB", "500MB") per safetensors file; a larger checkpoint is written in shards."""
+    max_shard_size: bytes (or "5GB", "500MB") per safetensors file; a larger checkpoint is written in shards.
+    layer_by_layer: calibrate and export one decoder layer at a time (lowbit.quantize.layerwise), for models larger
+    than host memory; max-calibrated recipes on dense models only."""
     t0 = time.time()
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     recipe = with_calibration(recipe, calib, num_samples, seq_len)
     check_export_format(export_format, recipe)
+    if layer_by_layer:
+        from lowbit.quantize.layerwise import check_layerwise
+
+        check_layerwise(recipe, export_format)
     from lowbit.quantize.export import shard_bytes
 
     shard_bytes(max_shard_size)  # a bad size is refused before the model loads
@@ -83,22 +89,39 @@ def quantize(model: str = models.DEFAULT_MODEL, recipe="fp8", out=None, calib=No
 
     texts = load_texts(recipe.calibration.data, split="calib")
     src = models.resolve(model)
-    hf_model, tokenizer = load_float_model(src)
-    c = recipe.calibration
-    batches = token_batches(tokenizer, texts, c.num_samples, c.seq_len, c.seed)
+    if layer_by_layer:
+        from transformers import AutoTokenizer
 
-    from lowbit.calibrate.loop import calibrate
-    from lowbit.quantize.export import export
+        from lowbit.quantize.layerwise import quantize_layerwise
 
-    calibrate(hf_model, recipe, batches)
-    quantized, excluded = count_layers(hf_model)
-    export(hf_model, tokenizer, recipe, out, source=str(model), force=force, export_format=export_format,
-           max_shard_size=max_shard_size)
+        tokenizer = AutoTokenizer.from_pretrained(src)
+        c = recipe.calibration
+        batches = token_batches(tokenizer, texts, c.num_samples, c.seq_len, c.seed)
+        quantized, excluded = quantize_layerwise(src, tokenizer, recipe, batches, out, source=str(model), force=force,
+                                                 max_shard_size=max_shard_size)
+    else:
+        quantized, excluded = quantize_whole(src, recipe, texts, out, str(model), force, export_format, max_shard_size)
     from lowbit.checkpoint import read
 
     written = read(out)  # the truth on disk, e.g. MIXED_PRECISION when layers got different group sizes
     return QuantizeResult(out, recipe.name, written.quant_algo, written.kv_algo, time.time() - t0,
                           dir_mb(src, "*.safetensors"), dir_mb(out, "*.safetensors"), quantized, excluded)
+
+
+def quantize_whole(src: Path, recipe: Recipe, texts, out: Path, source: str, force: bool, export_format: str,
+                   max_shard_size) -> tuple[int, list]:
+    """The whole float model in memory: modelopt calibrates it, then exports it."""
+    from lowbit.calibrate.data import token_batches
+    from lowbit.calibrate.loop import calibrate
+    from lowbit.quantize.export import export
+
+    hf_model, tokenizer = load_float_model(src)
+    c = recipe.calibration
+    calibrate(hf_model, recipe, token_batches(tokenizer, texts, c.num_samples, c.seq_len, c.seed))
+    quantized, excluded = count_layers(hf_model)
+    export(hf_model, tokenizer, recipe, out, source=source, force=force, export_format=export_format,
+           max_shard_size=max_shard_size)
+    return quantized, excluded
 
 
 def load_float_model(path: Path):

@@ -7,6 +7,7 @@ EXAMPLES = f"""examples:
   quantize --recipe int4_awq meta-llama/Llama-3.1-8B-Instruct -o ./llama8b-awq
   quantize --recipe ./my_recipe.yaml ./my-model --calib data.jsonl --num-samples 128 --force
   quantize --recipe auto --gate "kl<=0.05" --max-bits 6     # per-layer mix, the smallest that passes the gate
+  quantize --recipe fp8 ./big-model --layer-by-layer         # one float layer in host memory, not the model
 recipes: {', '.join(available())}, auto (or a path to a YAML file)"""
 
 
@@ -24,6 +25,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                         help="largest safetensors file, e.g. 5GB (default), 500MB, 2GiB; a larger checkpoint is "
                              "written as model-0000k-of-0000n.safetensors + model.safetensors.index.json")
+    parser.add_argument("--layer-by-layer", action="store_true",
+                        help="calibrate and export one decoder layer at a time: host memory holds one float layer, "
+                             "not the model (max-calibrated recipes: fp8, fp8_dynamic, int4_rtn, nvfp4; dense models)")
 
     auto = parser.add_argument_group("--recipe auto (per-layer formats searched under an accuracy gate)")
     auto.add_argument("--gate", help='thresholds the result must pass, as for `lowbit eval`, e.g. "recovery>=0.99"')
@@ -40,6 +44,8 @@ def run(args) -> int:
     import lowbit
     from lowbit.errors import UserError
 
+    if args.layer_by_layer and args.recipe == "auto":
+        raise UserError("--layer-by-layer does not run --recipe auto (its search evaluates the whole model)")
     if args.recipe == "auto":
         return run_auto(args)
     if args.gate:
@@ -47,7 +53,8 @@ def run(args) -> int:
 
     result = lowbit.quantize(args.model, recipe=args.recipe, out=args.out, calib=args.calib,
                              num_samples=args.num_samples, seq_len=args.seq_len, force=args.force,
-                             export_format=args.export_format, max_shard_size=args.max_shard_size)
+                             export_format=args.export_format, max_shard_size=args.max_shard_size,
+                             layer_by_layer=args.layer_by_layer)
     print(result.summary())
     return 0
 

@@ -52,12 +52,18 @@ def export(model, tokenizer, recipe: Recipe, out: Path, source: str, force: bool
             from lowbit.checkpoint.interop.export_compressed_tensors import rewrite
 
             rewrite(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / RECIPE_FILE).write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-        write_manifest(tmp, {"producer": f"lowbit {__version__}", "recipe": recipe.name, "source_model": source,
-                             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        write_lowbit_files(tmp, tokenizer, recipe, source)
     print(f"[lowbit] exported to {out} in {time.time() - t0:.1f} s", file=sys.stderr)
     return Path(out)
+
+
+def write_lowbit_files(tmp: Path, tokenizer, recipe: Recipe, source: str) -> None:
+    """What lowbit adds beside the model files: the tokenizer, recipe.yaml and the manifest (written last: it hashes
+    every file)."""
+    tokenizer.save_pretrained(tmp)
+    (tmp / RECIPE_FILE).write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    write_manifest(tmp, {"producer": f"lowbit {__version__}", "recipe": recipe.name, "source_model": source,
+                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 
 
 def _share_o_proj_smoothing(model) -> None:
