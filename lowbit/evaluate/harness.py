@@ -29,6 +29,7 @@ class SharedContextLM(HFLM):
     """
     workers: int = 1
     batch: int = 1
+    exact: bool = True  # False: documents in padded batches (lowbit.evaluate.packed), equal up to float rounding
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         groups = defaultdict(list)  # truncated context tokens -> request indices
@@ -38,7 +39,7 @@ class SharedContextLM(HFLM):
         results = [None] * len(requests)
         pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="Scoring (loglikelihood)")
         jobs = [(list(ctx), [requests[i][2] for i in idx]) for ctx, idx in groups.items()]
-        scores = parallel.score_all(self.model, jobs, self.device, self.workers, self.batch)
+        scores = parallel.score_all(self.model, jobs, self.device, self.workers, self.batch, self.exact)
         for idx, scored in zip(groups.values(), scores):
             for i, answer in zip(idx, scored):
                 results[i] = answer
@@ -122,9 +123,10 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def inproc_lm(model, tokenizer, batch_size: int = 1, workers: int = 1, batch: int = 1) -> SharedContextLM:
+def inproc_lm(model, tokenizer, batch_size: int = 1, workers: int = 1, batch: int = 1,
+              exact: bool = True) -> SharedContextLM:
     lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    lm.workers, lm.batch = workers, batch
+    lm.workers, lm.batch, lm.exact = workers, batch, exact
     return lm
 
 
