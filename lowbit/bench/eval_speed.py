@@ -64,7 +64,7 @@ def main(argv) -> int:
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True)
     base = None
     if source and not args.cold:  # computed once (or read from the cache) before either timed run
-        base = baseline_results(Side(source, resolve(source)), Plan(tasks, args.limit))
+        base = baseline_results(Side(source, resolve(source)), Plan(tasks, args.limit, exact=True))
     emit, _ = json_lines(args.json)
     runs = {}
     plans = {"old": Plan(tasks, args.limit, workers=args.old_workers, batch=1, exact=True, lean=False),
