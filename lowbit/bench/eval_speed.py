@@ -22,7 +22,9 @@ from pathlib import Path
 
 import torch
 
-LL_TOL = 1e-2  # padded batches vs one document at a time: loglikelihood gap relative to max(1, |log P|)
+# padded batches vs one document at a time: loglikelihood gap relative to max(1, |log P|). The one-document path
+# itself moves that much on SmolLM2 FP8 when only its batch shape changes (choices scored together or alone: 1.6 %)
+LL_TOL = 0.05
 
 
 def parse(argv):
@@ -64,7 +66,7 @@ def main(argv) -> int:
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, {time.strftime('%Y-%m-%d %H:%M %Z')}", flush=True)
     base = None
     if source and not args.cold:  # computed once (or read from the cache) before either timed run
-        base = baseline_results(Side(source, resolve(source)), Plan(tasks, args.limit, exact=True))
+        base = baseline_results(Side(source, resolve(source)), Plan(tasks, args.limit))
     emit, _ = json_lines(args.json)
     runs = {}
     plans = {"old": Plan(tasks, args.limit, workers=args.old_workers, batch=1, exact=True, lean=False),
