@@ -16,14 +16,16 @@ from lowbit.evaluate import parallel
 class SharedContextLM(HFLM):
     """HFLM (same tokenization, truncation and request handling) that runs each distinct context once.
 
-    A multiple-choice document asks for log P(choice | context) for every choice: the context is encoded once,
-    its KV cache repeated per choice, and only the continuation tokens are run again. One document per forward
-    pass: batching documents bought no speed on CPU, and a fake-quantized model's scores would then depend on
-    which other documents share its batch (FP8 rounding amplifies float-rounding differences). The logits are
-    those of a full forward pass up to float rounding (tests compare against HFLM).
+    A multiple-choice document asks for log P(choice | context) for every choice: the context is encoded once and
+    serves every choice. With exact=False (the default of `lowbit eval`) many documents share one padded forward
+    pass (lowbit.evaluate.packed): equal to the one-document pass up to float rounding, which FP8 fake
+    quantization amplifies. With exact=True each document's context runs once, its KV cache is repeated per
+    choice and only the continuation tokens are run again; the logits are those of a full forward pass up to float
+    rounding (tests compare against HFLM).
 
-    Documents are shared out over `workers` forked processes (lowbit.evaluate.parallel), each running exactly this
-    per-document computation on its own core, so the scores do not depend on the number of workers. With `batch` > 1
+    Documents are shared out over `workers` forked processes (lowbit.evaluate.parallel); with exact=True each runs
+    exactly this per-document computation on its own core, so the scores do not depend on the number of workers,
+    and with `batch` > 1
     up to that many documents run in lockstep and share their linear layers' GEMMs (lowbit.evaluate.lockstep), each
     still computed row for row as alone: the scores do not depend on `batch` either.
     """
