@@ -1,13 +1,13 @@
 """`lowbit bench eval-speed`: `lowbit eval`'s scoring as it was (one document at a time, worker processes, lm-eval's
-full setup) vs the fast gate (documents in padded batches, or with --exact in lockstep sharing GEMMs; lean lm-eval
-setup), side by side in one run.
+full setup) vs the fast gate (documents in lockstep sharing GEMMs, or with --packed in padded batches; lean
+lm-eval setup), side by side in one run.
 
 Both runs score the same checkpoint in this process on the same tasks and limit, one after the other, each loading
 the checkpoint itself. Warm (default): the baseline is computed (or read from the cache) first and shared, as in
 a CI job whose eval cache is kept; --cold: each run computes the baseline too, in a fresh private cache. It prints
 each run's wall time and CPU time (this process and its worker processes: on a shared machine the fairer figure,
 as other jobs' load moves the wall time), whether every per-document score and the held-out text results are
-identical and every loglikelihood within LL_TOL of the old one (bitwise with --exact; exit 1 if not).
+identical and every loglikelihood bitwise equal (with --packed: within LL_TOL of the old one; exit 1 if not).
 
     OMP_NUM_THREADS=1 lowbit bench eval-speed smollm2-135m-fp8 --limit 200           # default tasks, warm baseline
     OMP_NUM_THREADS=1 lowbit bench eval-speed smollm2-135m-int4_awq --limit 200 --cold --json out.jsonl
@@ -36,9 +36,9 @@ def parse(argv):
     p.add_argument("model", metavar="CHECKPOINT", help="store name or checkpoint directory (with a source model)")
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS))
     p.add_argument("--limit", type=int, default=200)
-    p.add_argument("--exact", action="store_true", help="new path: bitwise scores (documents in lockstep) instead of "
-                                                        "padded batches")
-    p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="documents in lockstep with --exact")
+    p.add_argument("--packed", action="store_true", help="new path: documents in padded batches (lowbit eval "
+                                                         "--packed) instead of lockstep")
+    p.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="documents in lockstep on the new path")
     p.add_argument("--workers", type=int, default=1, help="worker processes of the new path (default 1, as lowbit eval)")
     p.add_argument("--old-workers", type=int, default=len(os.sched_getaffinity(0)),
                    help="worker processes of the old path (default: one per core, the old default)")
@@ -71,7 +71,7 @@ def main(argv) -> int:
     emit, _ = json_lines(args.json)
     runs = {}
     plans = {"old": Plan(tasks, args.limit, workers=args.old_workers, batch=1, exact=True, lean=False),
-             "new": Plan(tasks, args.limit, workers=args.workers, batch=args.batch, exact=args.exact, lean=True)}
+             "new": Plan(tasks, args.limit, workers=args.workers, batch=args.batch, exact=not args.packed, lean=True)}
     for label, plan in plans.items():
         cpu0 = _cpu_seconds()
         seconds, result, scores = _timed_run(args.model, path, source, plan, base)
@@ -84,7 +84,7 @@ def main(argv) -> int:
         print(f"{label}: {seconds:.1f} s wall, {cpu:.1f} s CPU (workers {plan.workers}, batch {plan.batch}, "
               f"exact {plan.exact}, lean {plan.lean}), load {os.getloadavg()[0]:.1f}", flush=True)
     (t_old, old, s_old, c_old), (t_new, new, s_new, c_new) = runs["old"], runs["new"]
-    worst, tol = _loglikelihood_gap(s_old, s_new), 0.0 if args.exact else LL_TOL
+    worst, tol = _loglikelihood_gap(s_old, s_new), LL_TOL if args.packed else 0.0
     checks = {"per-document task scores": old["cand"]["tasks"] == new["cand"]["tasks"],
               f"loglikelihoods ({len(s_old)}) within {tol} (worst {worst:.2g})": worst <= tol,
               "held-out text results": _text(old["cand"]) == _text(new["cand"])}

@@ -17,7 +17,7 @@ class SharedContextLM(HFLM):
     """HFLM (same tokenization, truncation and request handling) that runs each distinct context once.
 
     A multiple-choice document asks for log P(choice | context) for every choice: the context is encoded once and
-    serves every choice. With exact=False (the default of `lowbit eval`) many documents share one padded forward
+    serves every choice. With exact=False (`lowbit eval --packed`) many documents share one padded forward
     pass (lowbit.evaluate.packed): equal to the one-document pass up to float rounding, which FP8 fake
     quantization amplifies. With exact=True each document's context runs once, its KV cache is repeated per
     choice and only the continuation tokens are run again; the logits are those of a full forward pass up to float

@@ -20,7 +20,7 @@ class Plan:
     use_cache: bool = True
     workers: int = 1  # in-process scoring: forked worker processes (evaluate/parallel.py)
     batch: int = DEFAULT_BATCH  # in-process scoring: documents run in lockstep, sharing GEMMs (evaluate/lockstep.py)
-    exact: bool = False  # True: scores bitwise those of one document at a time (batch: lockstep); False: packed.py
+    exact: bool = True  # scores bitwise those of one document at a time (batch: lockstep); False: packed.py
     lean: bool = True  # lm-eval reads only the first `limit` documents and skips its environment report
 
     @property
@@ -57,7 +57,7 @@ def baseline_results(side: Side, plan: Plan) -> dict:
     for name in plan.lm_tasks:
         task_file = fingerprint(name)
         k = cache.key(digest, name, {"limit": plan.limit} | ({"task_file": task_file} if task_file else {})
-                      | ({} if plan.exact else {"scoring": "packed"}))  # --exact never reads rounded-apart scores
+                      | ({} if plan.exact else {"scoring": "packed"}))  # the exact path never reads --packed's scores
         result = cache.load_json(k) if plan.use_cache else None
         if result is None:
             lm = lm or side.lm(plan)
