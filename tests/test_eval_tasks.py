@@ -114,7 +114,7 @@ def test_lean_run_builds_the_same_requests(task, monkeypatch):
     lm = inproc_lm(tiny_llama(), AutoTokenizer.from_pretrained(resolve(DEFAULT_MODEL)))  # the scorer is stubbed
     seen = {}
 
-    def recording(model, jobs, device, workers, batch=1):
+    def recording(model, jobs, device, workers, batch=1, exact=True):
         seen.setdefault(key, []).extend(jobs)
         for _ in jobs:
             yield [(-1.0, False)] * 8  # more answers than continuations: only the first ones are read

@@ -41,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, metavar="N",
                    help="in-process scoring: documents shared out over N processes, each batching as --batch says "
                         "(default 1: measured fastest on a shared 2-core machine)")
+    p.add_argument("--packed", action="store_true",
+                   help="in-process scoring: documents in padded batches, faster; loglikelihoods equal to one "
+                        "document at a time up to float rounding, so a fake-quantized model's per-document scores "
+                        "can differ in a few documents (docs/evaluate.md)")
     p.add_argument("--batch", type=int, metavar="N",
                    help="in-process scoring: N documents run in lockstep, sharing their GEMMs; same scores bit for bit "
                         "(default 16; 1: one at a time)")
@@ -57,7 +61,7 @@ def run(args) -> int:
     plan = Plan(tasks=parse_tasks(args.tasks), limit=check_positive("--limit", args.limit),
                 text_seqs=check_positive("--ppl-seqs", args.ppl_seqs) or Plan.text_seqs, use_cache=not args.no_cache,
                 workers=check_positive("--workers", args.workers) or default_workers(),
-                batch=check_positive("--batch", args.batch) or DEFAULT_BATCH)
+                batch=check_positive("--batch", args.batch) or DEFAULT_BATCH, exact=not args.packed)
     gates.check_confidence(args.confidence)
     candidate, baseline, thresholds = resolve_sides(args)
     check_gate_needs(thresholds, baseline, plan, args.backend)

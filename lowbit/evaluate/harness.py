@@ -16,19 +16,22 @@ from lowbit.evaluate import parallel
 class SharedContextLM(HFLM):
     """HFLM (same tokenization, truncation and request handling) that runs each distinct context once.
 
-    A multiple-choice document asks for log P(choice | context) for every choice: the context is encoded once,
-    its KV cache repeated per choice, and only the continuation tokens are run again. One document per forward
-    pass: batching documents bought no speed on CPU, and a fake-quantized model's scores would then depend on
-    which other documents share its batch (FP8 rounding amplifies float-rounding differences). The logits are
-    those of a full forward pass up to float rounding (tests compare against HFLM).
+    A multiple-choice document asks for log P(choice | context) for every choice: the context is encoded once and
+    serves every choice. With exact=False (`lowbit eval --packed`) many documents share one padded forward
+    pass (lowbit.evaluate.packed): equal to the one-document pass up to float rounding, which FP8 fake
+    quantization amplifies. With exact=True each document's context runs once, its KV cache is repeated per
+    choice and only the continuation tokens are run again; the logits are those of a full forward pass up to float
+    rounding (tests compare against HFLM).
 
-    Documents are shared out over `workers` forked processes (lowbit.evaluate.parallel), each running exactly this
-    per-document computation on its own core, so the scores do not depend on the number of workers. With `batch` > 1
+    Documents are shared out over `workers` forked processes (lowbit.evaluate.parallel); with exact=True each runs
+    exactly this per-document computation on its own core, so the scores do not depend on the number of workers,
+    and with `batch` > 1
     up to that many documents run in lockstep and share their linear layers' GEMMs (lowbit.evaluate.lockstep), each
     still computed row for row as alone: the scores do not depend on `batch` either.
     """
     workers: int = 1
     batch: int = 1
+    exact: bool = True  # False: documents in padded batches (lowbit.evaluate.packed), equal up to float rounding
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         groups = defaultdict(list)  # truncated context tokens -> request indices
@@ -38,7 +41,7 @@ class SharedContextLM(HFLM):
         results = [None] * len(requests)
         pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="Scoring (loglikelihood)")
         jobs = [(list(ctx), [requests[i][2] for i in idx]) for ctx, idx in groups.items()]
-        scores = parallel.score_all(self.model, jobs, self.device, self.workers, self.batch)
+        scores = parallel.score_all(self.model, jobs, self.device, self.workers, self.batch, self.exact)
         for idx, scored in zip(groups.values(), scores):
             for i, answer in zip(idx, scored):
                 results[i] = answer
@@ -122,9 +125,10 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def inproc_lm(model, tokenizer, batch_size: int = 1, workers: int = 1, batch: int = 1) -> SharedContextLM:
+def inproc_lm(model, tokenizer, batch_size: int = 1, workers: int = 1, batch: int = 1,
+              exact: bool = True) -> SharedContextLM:
     lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    lm.workers, lm.batch = workers, batch
+    lm.workers, lm.batch, lm.exact = workers, batch, exact
     return lm
 
 

@@ -3,6 +3,7 @@ import multiprocessing
 
 import torch
 
+PACKED_CHUNK = 64  # with exact=False and workers > 1, jobs handed to a worker at a time (sorted and batched there)
 LOCKSTEP_CHUNK = 2  # with batch > 1, a worker is handed this many times `batch` jobs at a time
 _STATE = None  # (model, device, batch) the forked workers inherit copy-on-write; set only while a pool is alive
 
@@ -12,8 +13,11 @@ def default_workers() -> int:
     return 1
 
 
-def score_all(model, jobs: list, device, workers: int, batch: int = 1):
+def score_all(model, jobs: list, device, workers: int, batch: int = 1, exact: bool = True):
     """Yields score_continuations(model, ctx, conts, device) for each (ctx, conts) in `jobs`, in job order.
+
+    exact=False: documents in padded batches (evaluate/packed.py), equal to the above up to float rounding; with
+    workers > 1 each process scores runs of PACKED_CHUNK jobs that way. Otherwise:
 
     With batch > 1, up to `batch` jobs run in lockstep with their linear layers' GEMMs shared (evaluate/lockstep.py).
     With workers > 1 (CPU only) the jobs run in forked processes with torch.get_num_threads() // workers threads
@@ -24,6 +28,9 @@ def score_all(model, jobs: list, device, workers: int, batch: int = 1):
     from lowbit.evaluate.harness import score_continuations, score_continuations_lockstep
 
     cpu = torch.device(device).type == "cpu"
+    if not exact:
+        yield from _packed(model, jobs, device, workers if cpu else 1)
+        return
     if batch > 1 and workers <= 1 and len(jobs) > 1 and cpu:
         from lowbit.evaluate.lockstep import Lockstep
 
@@ -51,6 +58,31 @@ def score_all(model, jobs: list, device, workers: int, batch: int = 1):
                 yield from scored
     finally:
         _STATE = None
+
+
+def _packed(model, jobs: list, device, workers: int):
+    from lowbit.evaluate.packed import score_packed
+
+    global _STATE
+    if workers <= 1 or len(jobs) <= PACKED_CHUNK:
+        yield from score_packed(model, jobs, device)
+        return
+    _STATE = (model, device, 1)
+    threads = max(1, torch.get_num_threads() // workers)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers, initializer=torch.set_num_threads,
+                                                       initargs=(threads,)) as pool:
+            for scored in pool.imap(_score_packed, [jobs[i:i + PACKED_CHUNK] for i in range(0, len(jobs), PACKED_CHUNK)]):
+                yield from scored
+    finally:
+        _STATE = None
+
+
+def _score_packed(jobs: list) -> list:
+    from lowbit.evaluate.packed import score_packed
+
+    model, device, _ = _STATE
+    return list(score_packed(model, jobs, device))
 
 
 def _score_lockstep(jobs: list) -> list:

@@ -20,6 +20,7 @@ class Plan:
     use_cache: bool = True
     workers: int = 1  # in-process scoring: forked worker processes (evaluate/parallel.py)
     batch: int = DEFAULT_BATCH  # in-process scoring: documents run in lockstep, sharing GEMMs (evaluate/lockstep.py)
+    exact: bool = True  # scores bitwise those of one document at a time (batch: lockstep); False: packed.py
     lean: bool = True  # lm-eval reads only the first `limit` documents and skips its environment report
 
     @property
@@ -42,11 +43,11 @@ class Side:
             self._loaded = load_reference_model(self.path)
         return self._loaded
 
-    def lm(self, workers: int = 1, batch: int = 1):
+    def lm(self, plan: "Plan"):
         if self.url:
             return server_lm(self.url, self.name, str(self.path))
         model, tokenizer = self.model()
-        return inproc_lm(model, tokenizer, workers=workers, batch=batch)
+        return inproc_lm(model, tokenizer, workers=plan.workers, batch=plan.batch, exact=plan.exact)
 
 
 def baseline_results(side: Side, plan: Plan) -> dict:
@@ -55,10 +56,11 @@ def baseline_results(side: Side, plan: Plan) -> dict:
     out, cached, lm = {"tasks": {}, "text": None}, [], None
     for name in plan.lm_tasks:
         task_file = fingerprint(name)
-        k = cache.key(digest, name, {"limit": plan.limit} | ({"task_file": task_file} if task_file else {}))
+        k = cache.key(digest, name, {"limit": plan.limit} | ({"task_file": task_file} if task_file else {})
+                      | ({} if plan.exact else {"scoring": "packed"}))  # the exact path never reads --packed's scores
         result = cache.load_json(k) if plan.use_cache else None
         if result is None:
-            lm = lm or side.lm(plan.workers, plan.batch)
+            lm = lm or side.lm(plan)
             result = run_task(lm, name, plan.limit, lean=plan.lean)
             cache.save_json(k, result)
         else:
@@ -82,7 +84,7 @@ def baseline_results(side: Side, plan: Plan) -> dict:
 def candidate_results(side: Side, plan: Plan, baseline_text) -> dict:
     """{tasks: {...}, text: compare_pass output (with a baseline) or TextPass (without)}."""
     out = {"tasks": {}, "text": None}
-    lm = side.lm(plan.workers, plan.batch) if plan.lm_tasks else None
+    lm = side.lm(plan) if plan.lm_tasks else None
     for name in plan.lm_tasks:
         out["tasks"][name] = run_task(lm, name, plan.limit, lean=plan.lean)
     if TEXT_TASK in plan.tasks and side.url:

@@ -14,6 +14,8 @@ Checked against real modelopt 0.47 CPU exports (tests/test_formats_export.py, te
   GGUF-derived weights) the two round to neighbouring codes, so a checkpoint and the fake-quant model it came from
   can differ by one code step on ~0.2 % of a layer's weights.
 """
+import functools
+
 import torch
 
 FP8_MAX = 448.0
@@ -113,7 +115,17 @@ def quantize_int8_per_channel(w: torch.Tensor) -> dict:
 
 
 def fake_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+    y = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).contiguous()  # a new float32 tensor: x is never written
+    codes = y.to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1).int()
+    # the value of each code read from a table, into y: on CPU ~3x faster than torch's float8 -> float32 cast
+    torch.index_select(_fp8_values(y.device), 0, codes, out=y.view(-1))
+    return y.mul_(scale)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_values(device: torch.device) -> torch.Tensor:
+    """float32 [256]: the value of every float8_e4m3fn bit pattern."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().to(device)
 
 
 def fake_quant_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
