@@ -162,7 +162,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"# {torch.cuda.get_device_name()} {datetime.date.today()} torch {torch.__version__}; "
           f"H={HIDDEN} I={INTER} E={EXPERTS} top-{TOP_K}; moe_gemv up to "
-          f"{tuning.current().moe_gemv_max_pairs} pairs")
+          f"{dict(tuning.current().moe_gemv_max_pairs)} pairs")
     for fmt in args.formats:
         run_format(fmt, args, gen)
 

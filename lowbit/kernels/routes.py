@@ -116,7 +116,7 @@ MOE_KINDS = ("dense", "fp8", "int8", "int4", "nvfp4")
 # how a MoE layer's experts run (lowbit.kernels.moe): a few pairs (decode) one program per pair and N tile, reading
 # the weight rows of its expert with no row padding; more, the pairs sorted by expert into row blocks of grouped GEMMs
 MOE = (
-    Row(MOE_KINDS, lambda c, t: c.m <= t.moe_gemv_max_pairs, "moe_gemv"),
+    Row(MOE_KINDS, lambda c, t: c.m <= t.moe_gemv_max_pairs[c.kind], "moe_gemv"),
     Row(MOE_KINDS, lambda c, t: True, "moe_grouped"),
 )
 TABLES = {"linear": LINEAR, "zero_point": ZERO_POINT, "moe": MOE}

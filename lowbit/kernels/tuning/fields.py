@@ -1,5 +1,5 @@
 """The Tuning table's fields: every tile, threshold and split target the kernels and their routes read."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, NamedTuple
 
@@ -80,5 +80,6 @@ class Tuning:
 
     # ---- fused MoE (lowbit.kernels.moe)
     moe_gemv_config: Mapping  # expert kind -> (BLOCK_N, BLOCK_K, num_warps, K splits) of the per-pair GEMV
-    # routes op "moe": (token, expert) pairs up to this run the per-pair GEMV, more the grouped GEMM
-    moe_gemv_max_pairs: int = 32
+    # routes op "moe": expert kind -> (token, expert) pairs up to which the per-pair GEMV runs, more the grouped GEMM
+    moe_gemv_max_pairs: Mapping = field(
+        default_factory=lambda: frozen({kind: 32 for kind in ("dense", "fp8", "int8", "int4", "nvfp4")}))

@@ -40,9 +40,11 @@ SM90 = Tuning(
     # M = 2 2.14 / 2.19 / 7.60, M = 3 2.89 / 2.17 / 7.44, M = 8 4.30 / 2.17 / 7.06, M = 32 - / 2.29 / 5.18 (cuBLAS
     # bf16 3.8-4.1): the GEMV up to 2 rows, the small-M GEMM up to 32.
     int8_gemv_max_m=2,
-    # fused MoE, bf16 experts at Qwen3-30B-A3B shapes (top-8), us per layer, per-pair GEMV / grouped GEMM: 8 tokens
-    # (64 pairs) 173 / 548, 16 (128) 264 / 567, 64 (512) 692 / 717, 256 (2048) 2326 / 766
-    moe_gemv_max_pairs=512,
+    # fused MoE at Qwen3-30B-A3B shapes (top-8), us per layer, per-pair GEMV / grouped GEMM (dev/bench/moe_kernel.py):
+    # bf16 16 tokens (128 pairs) 265 / 559, 64 (512) 688 / 710, 256 (2048) 2332 / 744; fp8 64 563 / 1094, 256
+    # 2010 / 895; int4 16 375 / 633, 64 1281 / 801; nvfp4 8 476 / 743, 16 873 / 895, 64 3271 / 1143. int8 as fp8
+    # (not measured).
+    moe_gemv_max_pairs=frozen({"dense": 512, "fp8": 512, "int8": 512, "int4": 128, "nvfp4": 128}),
     # the per-pair GEMV's tiles (dev/bench/moe_gemv_sweep.py times the alternatives); INT4's BLOCK_K is cut to divide
     # the group
     moe_gemv_config=frozen({"dense": (32, 128, 4, 1), "fp8": (32, 128, 4, 1), "int8": (32, 128, 4, 1),
