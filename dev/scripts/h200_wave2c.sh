@@ -5,6 +5,10 @@
 #   bash dev/scripts/h200_wave2c.sh moebench   # fused MoE vs per-expert loop, every expert format, 1-256 tokens
 #   bash dev/scripts/h200_wave2c.sh moeserve   # Qwen3-30B-A3B int4_awq / nvfp4 experts: engine check, batch 1, 128/128
 #   bash dev/scripts/h200_wave2c.sh moemax     # Qwen3-30B-A3B fp8: batch 1 and maximum load at 1000/1000
+#   bash dev/scripts/h200_wave2c.sh zp         # zero points inside the W4 GEMV / w4_mma: checks, kernel times, layouts served
+#   bash dev/scripts/h200_wave2c.sh moe2       # INT8 experts and the per-pair GEMV's tiles: GPU tests, tile sweep
+#   bash dev/scripts/h200_wave2c.sh gputests   # engine graphs, dummy-weight engine, graphed verify step
+#   (then h200_wave2b.sh unpack specreal2: n-gram drafting on the embedded model's fp8 checkpoint)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD LOWBIT_HOME=$PWD/.gpu/home OMP_NUM_THREADS=8
 OUT=${OUT:-out}
@@ -28,6 +32,26 @@ moeserve)
 moemax)
     lb 330 bench serve --model qwen3-30b-a3b --phases formats --formats fp8 --deadline-s 150 \
         --json "$OUT/moe_fp8_1000.json" --markdown "$OUT/moe_fp8_1000.md" | grep -E '^\[|Error' | cut -c1-500
+    ;;
+zp)
+    timeout 150 python3 dev/bench/w4_zp_gemv_bench.py --json "$OUT/zp_m1.json" 2>&1 | tail -25
+    timeout 100 python3 dev/bench/w4_zp_gemv_bench.py --m 8 2>&1 | tail -12
+    lb 240 bench serve --model llama-3.1-8b --phases interop --max-batch-size 8 --json "$OUT/interop.json" \
+        --markdown "$OUT/interop.md" | grep -E '^\[|Error' | cut -c1-400
+    ;;
+moe2)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_moe_gpu.py tests/test_dummy_qwen3_moe.py \
+        tests/test_kernels_moe_int8.py -k gpu 2>&1 | tail -8
+    timeout 300 python3 dev/bench/moe_gemv_sweep.py 2>&1 | tee "$OUT/moe_gemv_sweep.log" | tail -40
+    ;;
+moe3)
+    timeout 120 python3 dev/bench/moe_kernel.py --formats int8 fp8_pt --batches 1 8 64 256 2>&1 | tail -12
+    lb 240 bench serve --model qwen3-30b-a3b --phases check,formats --formats w8a8_sq --isl 128 --osl 128 \
+        --deadline-s 60 --num-requests 256 --json "$OUT/moe_int8.json" --markdown "$OUT/moe_int8.md" | grep -E '^\[|Error' | cut -c1-500
+    ;;
+gputests)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine_graphs.py tests/test_gpu_engine_dummy.py \
+        tests/test_gpu_spec_verify_graphs.py 2>&1 | tail -8
     ;;
 esac
 done
