@@ -62,8 +62,16 @@ def serve_a_b_c(engine):
     return outs, counts
 
 
+LOGPROB_TOL = 1e-5  # fp32: a restored prefix changes which rows share a GEMM, and the BLAS may round a row by its batch
+
+
 def same(a, b) -> bool:
-    return a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.text == b.text
+    """Same tokens and text; logprobs (value, top entries) equal to within LOGPROB_TOL."""
+    def close(x, y):
+        return abs(x[0] - y[0]) <= LOGPROB_TOL and [t for t, _ in x[1]] == [t for t, _ in y[1]] and all(
+            abs(u - v) <= LOGPROB_TOL for (_, u), (_, v) in zip(x[1], y[1]))
+    return (a.token_ids == b.token_ids and a.text == b.text and len(a.logprobs) == len(b.logprobs)
+            and all(close(x, y) for x, y in zip(a.logprobs, b.logprobs)))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
