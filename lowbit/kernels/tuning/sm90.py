@@ -46,7 +46,7 @@ SM90 = Tuning(
     # (not measured).
     moe_gemv_max_pairs=frozen({"dense": 512, "fp8": 512, "int8": 512, "int4": 128, "nvfp4": 128}),
     # the per-pair GEMV's tiles: (BLOCK_N, BLOCK_K, warps, K splits) with the least time summed over 1, 2, 4 and 8
-    # tokens (`python3 dev/bench/moe_gemv_sweep.py`, 2026-12-04: us at 1 token, new / old tiles: bf16 31 / 48,
+    # tokens (`python3 dev/bench/moe_gemv_sweep.py`; us at 1 token, new / old tiles: bf16 31 / 48,
     # fp8 23 / 33, int8 31 / 30 (faster from 4 tokens), int4 unchanged); INT4's BLOCK_K is cut to divide the group
     moe_gemv_config=frozen({"dense": (8, 256, 2, 1), "fp8": (16, 256, 4, 1), "int8": (64, 128, 4, 1),
                             "int4": (32, 128, 4, 1)}),
