@@ -65,8 +65,16 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
     nvfp4_cpu.install()  # CPU kernel for NVFP4 dynamic block quantization; CUDA keeps modelopt's own
     with redirect_stdout(sys.stderr):  # modelopt prints its config and counts: keep stdout for the summary
         cfg = config if config is not None else modelopt_config(recipe, model)
+        own_clip = config is None and _clip_search_is_lowbits(recipe)
+        if own_clip:  # modelopt runs awq_full's first half, lowbit's awq_clip.py the second
+            cfg["algorithm"] = {**cfg["algorithm"], "method": "awq_lite"}
         model = mtq.quantize(model, cfg, forward_loop(batches, desc=f"calibrating {recipe.name}",
                                                     later_passes=f"{recipe.algorithm} pass"))
+        if own_clip:
+            from lowbit.calibrate.awq_clip import CLIP_ARGS, awq_clip_search
+
+            args = {k: v for k, v in recipe.algorithm_args.items() if k in CLIP_ARGS}
+            awq_clip_search(model, forward_loop(batches, desc=f"AWQ clip search {recipe.name}"), **args)
         if recipe.rounding == "gptq" and config is None:
             from lowbit.calibrate.gptq import gptq_round
 
@@ -81,3 +89,9 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
         print(f"[lowbit] KV scale search: k amax x {ck}, v amax x {cv} ({time.time() - t1:.1f} s)", file=sys.stderr)
     print(f"[lowbit] calibrated {len(batches)} x {len(batches[0])} tokens in {time.time() - t0:.1f} s", file=sys.stderr)
     return model
+
+
+def _clip_search_is_lowbits(recipe: Recipe) -> bool:
+    """awq_full's clip search runs as lowbit's faster equivalent where the weights are the only quantized tensors
+    (the W4A16 formats AWQ applies to, no KV-cache quantizers, whose calibration modelopt's pass would redo)."""
+    return recipe.algorithm == "awq_full" and not recipe.kv_cache
