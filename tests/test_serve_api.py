@@ -202,7 +202,8 @@ def test_disconnect_while_waiting_for_a_completion_frees_blocks(server):
     assert m['lowbit_requests_finished_total{reason="abort"}'] == aborted + 1
 
 
-def test_metrics_are_prometheus_text(server):
+def test_metrics_are_prometheus_text(client, server):
+    client.completions.create(model=DEFAULT_MODEL, prompt="Hello", max_tokens=2)  # a request counted, run alone too
     m = metrics(server)
     for name in ["lowbit_time_to_first_token_seconds_count", "lowbit_inter_token_latency_seconds_count",
                  "lowbit_requests_waiting", "lowbit_requests_running", "lowbit_kv_blocks_used",
