@@ -22,7 +22,9 @@ RECIPES = ("fp8", "fp8_dynamic", "nvfp4", "int4_awq", "int4_rtn", "int4_gptq", "
 # e2m1 per 16-block: it matched exactly until the packages of 2026-12-01 (transformers 5.24, modelopt 0.47, torch
 # 2.13), with which activation code flips give max |diff| 0.40 at rel-L2 5.7e-4 (quantization: 4.5e-2).
 EXACT_TOL = 1e-3
-NOISE_RATIO = {"w8a8_sq": 0.1, "int4_rtn": 0.1, "nvfp4": 0.1, "fp8": 0.75, "fp8_dynamic": 0.75}
+# int4_awq: its clip search leaves most group scales off their max, where a few codes sit on float ties (rel-L2
+# 3.0e-5 against quantization's 3.3e-2, max |diff| 5e-3).
+NOISE_RATIO = {"w8a8_sq": 0.1, "int4_rtn": 0.1, "int4_awq": 0.01, "nvfp4": 0.1, "fp8": 0.75, "fp8_dynamic": 0.75}
 TIE_FRACTION = 0.01  # at most 1 % of a layer's weights may sit on a tie
 
 

@@ -139,4 +139,6 @@ def share_pre_quant_scales(model: nn.Module) -> None:
         return
     from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
 
+    if not getattr(model.config, "architectures", None):  # modelopt reads it (as export.py sets it)
+        model.config.architectures = [type(model).__name__]
     requantize_resmooth_fused_llm_layers(model)

@@ -4,8 +4,9 @@ modelopt's AWQ and SmoothQuant give o_proj a per-input-channel pre_quant_scale s
 that share one KV head read the same v_proj rows, so s can move into v_proj only where it is equal across them.
 compressed-tensors has no pre_quant_scale, so before that export each o_proj gets s' = the geometric mean of s over
 the query heads of its KV group (per head_dim position), and modelopt re-smooths it: the float weight W (= smoothed
-weight * s) becomes W / s', the weight quantizer's amax is recalibrated by max (an AWQ clip search result for o_proj
-is not kept), and a static input amax becomes max_j(amax_j * s'_j) from the per-channel amax modelopt keeps.
+weight * s) becomes W / s', the weight quantizer's amax is recalibrated by max and then given back each group's clip
+ratio (amax / max |w| before, from AWQ's clip search: the clip searched for the old smoothing, carried over, not
+searched again), and a static input amax becomes max_j(amax_j * s'_j) from the per-channel amax modelopt keeps.
 """
 import torch
 
@@ -26,6 +27,17 @@ def _pre_quant_scale(linear) -> torch.Tensor | None:
     return getattr(q, "_pre_quant_scale", None)
 
 
+def _clip_ratio(linear) -> torch.Tensor | None:
+    """Each weight group's amax / its max |w| (an AWQ clip search's ratio; 1 after max calibration), or None for a
+    quantizer without per-group amax."""
+    wq = linear.weight_quantizer
+    group = (wq.block_sizes or {}).get(-1)
+    if group is None or wq.amax is None:
+        return None
+    top = linear.weight.detach().float().reshape(-1, group).abs().amax(-1).reshape(wq.amax.shape)
+    return torch.where(top > 0, wq.amax.float() / top, torch.ones_like(top)).to(wq.amax.dtype)
+
+
 @torch.no_grad()
 def share_o_proj_smoothing(model) -> list[str]:
     """Re-smooths every calibrated o_proj whose pre_quant_scale differs within a KV group; returns their names."""
@@ -43,8 +55,11 @@ def share_o_proj_smoothing(model) -> list[str]:
         target = shared_scale(s, heads, kv_heads)
         if torch.equal(target.to(s.dtype), s.reshape(-1)):
             continue
+        ratio = _clip_ratio(module)
         disable_pre_quant_scale_and_resmooth(module, delete_pre_quant_scale=True)
         apply_pre_quant_scale_and_smooth(module, target.to(module.weight.device))
+        if ratio is not None:
+            module.weight_quantizer.amax = module.weight_quantizer.amax * ratio
         changed.append(name)
     return changed
 

@@ -72,7 +72,11 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
                                                     later_passes=f"{recipe.algorithm} pass"))
         if own_clip:
             from lowbit.calibrate.awq_clip import CLIP_ARGS, awq_clip_search
+            from lowbit.calibrate.gptq import share_pre_quant_scales
 
+            # export gives linears that share an input one pre_quant_scale and max-calibrates each weight it
+            # rescales: done first, so the clips are searched on the weights the checkpoint holds
+            share_pre_quant_scales(model)
             args = {k: v for k, v in recipe.algorithm_args.items() if k in CLIP_ARGS}
             awq_clip_search(model, forward_loop(batches, desc=f"AWQ clip search {recipe.name}"), **args)
         if recipe.rounding == "gptq" and config is None:
