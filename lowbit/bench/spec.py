@@ -61,6 +61,8 @@ def parse(argv):
     p.add_argument("--tiny", action="store_true", help="a tiny fp32 model (CPU smoke test)")
     p.add_argument("--host-only", action="store_true",
                    help="host work per token, plain vs n-gram, model forward stubbed (CPU; --repeats runs each)")
+    p.add_argument("--step-costs", choices=["h200"],
+                   help="with --host-only: time on a clock that advances by the H200's measured step costs")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="also write the JSON lines here")
     args = p.parse_args(argv)
@@ -71,6 +73,8 @@ def parse(argv):
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.draft_model and not args.model:
         p.error("--draft-model needs --model (the target it drafts for)")
+    if args.step_costs and not args.host_only:
+        p.error("--step-costs needs --host-only")
     if args.host_only and (args.model or args.tiny):
         p.error("--host-only stubs the model: no --model or --tiny")
     if args.batch1_only and not args.model:
