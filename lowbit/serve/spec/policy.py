@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 MARGIN = 1.05  # verify steps must emit this many times the plain rate to keep speculating
 ALPHA = 0.25  # weight of the newest step in the moving averages
 WARM = 2  # steps of each kind a bucket measures before it decides (after one not measured)
-PROBE = 1  # verify steps a probe measures (its own averages: the workload may have changed)
+PROBE = 1  # verify steps a probe measures, after one it does not (its own averages: the workload may have changed)
 MIN_BACKOFF, MAX_BACKOFF = 32, 1024  # plain steps before the next probe; doubles while probes keep losing
 STALL = 10.0  # a step this many times its kind's mean time is a stall (a compile, GC, swap): not measured
 
@@ -83,8 +83,8 @@ class SpecPolicy:
             b.plain.add(tokens, seconds)
             if not b.on and not b.probing:
                 b.wait -= 1
-                if b.wait <= 0:  # probe: measure verify steps afresh
-                    b.probing, b.verify = PROBE, Rate()
+                if b.wait <= 0:  # probe: measure verify steps afresh, from the second (the first waits for the
+                    b.probing, b.verify = PROBE, Rate(skip=1)  # plain step in flight; a draft model catches up)
             return
         b.verify.add(tokens, seconds)
         if not b.verify.n:  # the bucket's first verify step: not measured
