@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from lowbit.bench_cli import load
+from lowbit.serve.engine.config import EngineConfig
 from lowbit.serve.engine.sampling_params import SamplingParams
 from lowbit.serve.spec import policy as pol
+from lowbit.serve.spec.decoder import SpecDecoder
+from lowbit.serve.spec.ngram import NgramDrafter
 from lowbit.serve.spec.policy import SpecPolicy, bucket_label, bucket_of
 from test_serve_host_path import tiny_engine
 from test_serve_spec import GREEDY, PROMPTS, generate
@@ -89,6 +92,27 @@ def test_a_stall_is_not_measured():
     assert (b.verify.tokens, b.verify.seconds) == before and b.on
 
 
+def test_overlapped_steps_are_timed_from_step_to_step():
+    """Overlapped: a plain step launched with nothing in flight (after a verify step) is not measured (its wall time
+    is a launch; its device time shows in the next step's wait); a verify step is timed from when the step in flight
+    before it was resolved."""
+    now = [0.0]
+    dec = SpecDecoder(NgramDrafter(3), EngineConfig(speculative="ngram"), clock=lambda: now[0])
+    bucket = dec.policy.buckets.setdefault(0, pol.Bucket())
+    dec.emitted, now[0] = None, 0.1  # a launch only
+    dec.timed(1, 0.0, steady=False)
+    assert bucket.plain.skip == 1 and bucket.plain.n == 0  # not even the warm-up step counted
+    for t in (1.0, 2.0, 3.0):  # steady plain steps, 1 s each (the first not measured)
+        dec.emitted, now[0] = None, t
+        dec.timed(1, t - 1.0, steady=True)
+    assert bucket.plain.n == 2 and bucket.plain.seconds == pytest.approx(1.0)
+    for t in (6.0, 9.0):  # verify steps: 1 s waiting for the plain step in flight, then 2 s of their own
+        dec.emitted, dec.resolved, now[0] = 9, t - 2.0, t
+        dec.timed(1, t - 3.0, steady=True)
+    assert bucket.verify.n == 1 and bucket.verify.seconds == pytest.approx(2.0) and bucket.gain == pytest.approx(4.5)
+    assert list(dec.recent) == [False, False, False, False, True, True]
+
+
 class SimulatedDevice:
     """The tiny engine's forward on a simulated clock: plain steps cost 1, multi-token steps `verify_cost`."""
 
@@ -112,10 +136,10 @@ def test_greedy_outputs_equal_plain_decoding_while_the_policy_switches(overlap):
     engine = tiny_engine(speculative="ngram", num_draft_tokens=4, ngram_size=1, **settings)
     device, decisions, timed = SimulatedDevice(engine), [], engine.spec.timed
 
-    def record(batch_size, seconds):
+    def record(batch_size, started, steady):
         if batch_size == len(PROMPTS):  # the phases: decode steps of the whole batch
             decisions.append(engine.spec.emitted is not None)
-        timed(batch_size, seconds)
+        timed(batch_size, started, steady)
         device.verify_cost = 8.0 if 20 <= len(decisions) < 60 else 1.2
 
     engine.spec.timed = record

@@ -203,14 +203,15 @@ class Engine:
         self.runner.move_blocks(self.block_manager.take_moves())  # host-pool copies, before any forward reads them
         if self.spec is None or batch is None or not batch.is_decode or self._is_constrained(batch):
             return self._plain_step(batch)
-        started = self.spec.clock()  # the policy times decode steps: plain (launch to the next one's) vs verify
+        started, steady = self.spec.clock(), self.in_flight is not None or not self.overlap
         outputs = self._spec_step(batch) if self.spec.speculates(batch) else self._plain_step(batch)
-        self.spec.timed(len(batch.seqs), self.spec.clock() - started)
+        self.spec.timed(len(batch.seqs), started, steady)
         return outputs
 
     def _spec_step(self, batch: Batch) -> list[RequestOutput]:
         """Drafts and verifies (no grammar: a mask needs each token before it)."""
         outputs = self._resolve()  # drafts need every sequence's newest token on the host
+        self.spec.resolved = self.spec.clock()  # the wait for the step in flight was that step's time, not ours
         batch = _without_finished(batch)
         return outputs + (self.spec.step(self, batch) if batch is not None else [])
 

@@ -18,13 +18,15 @@ class SpecDecoder:
 
     def __init__(self, drafter, config: EngineConfig, pausing: bool = True, adaptive: bool = True,
                  clock=time.perf_counter):
-        """pausing: a sequence whose drafts miss pauses drafting (`_pace`); adaptive: a batch-size bucket where verify
-        steps emit fewer tokens per second than plain steps decodes plain (`policy.SpecPolicy`); False: neither (for
-        benchmarks). clock: seconds, what the policy times steps with."""
+        """pausing: a sequence whose drafts miss pauses drafting (`_pace`); False: never (benchmarks). adaptive: a
+        batch-size bucket where verify steps emit fewer tokens per second than plain steps decodes plain
+        (`policy.SpecPolicy`); False: every step that `applies` verifies (benchmarks, tests of the verify path).
+        clock: seconds, what the policy times steps with."""
         self.drafter = drafter
         self.policy = SpecPolicy() if adaptive else None
         self.clock = clock
         self.emitted: int | None = None  # tokens the last step emitted as a verify step (None: it ran plain)
+        self.resolved = 0.0  # clock when the last verify step had the tokens of the step in flight before it
         self.recent: deque[bool] = deque(maxlen=WINDOW)  # per pure-decode step: whether it verified
         self.k = config.num_draft_tokens  # the most tokens a sequence drafts per step
         self.pausing = pausing
@@ -46,11 +48,15 @@ class SpecDecoder:
         self.emitted = None
         return self.applies(batch) and (self.policy is None or self.policy.speculate(len(batch.seqs)))
 
-    def timed(self, batch_size: int, seconds: float) -> None:
-        """The pure-decode step of batch_size sequences that `speculates` was asked about took seconds (wall)."""
-        self.recent.append(self.emitted is not None)
-        if self.policy is not None:
-            verified = self.emitted is not None
+    def timed(self, batch_size: int, started: float, steady: bool) -> None:
+        """The pure-decode step of batch_size sequences that `speculates` was asked about started at `started`
+        (clock) and ends now. Overlapped, a plain step's wall time is its launch plus the wait for the step before:
+        one step's time when a step was in flight (steady), only a launch when none was (after a verify step: not
+        measured); a verify step's time starts once the step in flight is resolved."""
+        verified = self.emitted is not None
+        self.recent.append(verified)
+        if self.policy is not None and (verified or steady):
+            seconds = self.clock() - (max(started, self.resolved) if verified else started)
             self.policy.record(batch_size, verified, self.emitted if verified else batch_size, seconds)
 
     def _drafting(self, seq: Sequence) -> bool:
