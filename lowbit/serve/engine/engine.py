@@ -211,7 +211,6 @@ class Engine:
     def _spec_step(self, batch: Batch) -> list[RequestOutput]:
         """Drafts and verifies (no grammar: a mask needs each token before it)."""
         outputs = self._resolve()  # drafts need every sequence's newest token on the host
-        self.spec.resolved = self.spec.clock()  # the wait for the step in flight was that step's time, not ours
         batch = _without_finished(batch)
         return outputs + (self.spec.step(self, batch) if batch is not None else [])
 

@@ -26,7 +26,7 @@ class SpecDecoder:
         self.policy = SpecPolicy() if adaptive else None
         self.clock = clock
         self.emitted: int | None = None  # tokens the last step emitted as a verify step (None: it ran plain)
-        self.resolved = 0.0  # clock when the last verify step had the tokens of the step in flight before it
+        self.on = False  # the policy let the last step speculate (it verified if a sequence had a draft)
         self.recent: deque[bool] = deque(maxlen=WINDOW)  # per pure-decode step: whether it verified
         self.k = config.num_draft_tokens  # the most tokens a sequence drafts per step
         self.pausing = pausing
@@ -43,21 +43,23 @@ class SpecDecoder:
         return batch.is_decode and len(batch.seqs) <= self.max_batch_size and any(map(self._drafting, batch.seqs))
 
     def speculates(self, batch: Batch) -> bool:
-        """Whether this pure-decode step drafts and verifies: `applies` and the policy says it pays at this batch
-        size."""
+        """Whether this pure-decode step drafts and verifies: the policy says speculating pays at this batch size
+        (or measures it) and `applies`."""
         self.emitted = None
-        return self.applies(batch) and (self.policy is None or self.policy.speculate(len(batch.seqs)))
+        self.on = len(batch.seqs) <= self.max_batch_size and (self.policy is None
+                                                               or self.policy.speculate(len(batch.seqs)))
+        return self.on and self.applies(batch)
 
     def timed(self, batch_size: int, started: float, steady: bool) -> None:
         """The pure-decode step of batch_size sequences that `speculates` was asked about started at `started`
-        (clock) and ends now. Overlapped, a plain step's wall time is its launch plus the wait for the step before:
-        one step's time when a step was in flight (steady), only a launch when none was (after a verify step: not
-        measured); a verify step's time starts once the step in flight is resolved."""
-        verified = self.emitted is not None
-        self.recent.append(verified)
-        if self.policy is not None and (verified or steady):
-            seconds = self.clock() - (max(started, self.resolved) if verified else started)
-            self.policy.record(batch_size, verified, self.emitted if verified else batch_size, seconds)
+        (clock) and ends now. The policy compares whole modes: steps it let speculate (verify steps, and steps
+        that drafted nothing, whose drafting and lost overlap are speculation's costs too) against steps it kept
+        plain. Overlapped, a plain step's wall time is its launch plus the wait for the step before: one step's time
+        when a step was in flight (steady), only a launch when none was (after a verify step: not measured)."""
+        self.recent.append(self.emitted is not None)
+        if self.policy is not None and batch_size <= self.max_batch_size and (self.on or steady):
+            tokens = self.emitted if self.emitted is not None else batch_size
+            self.policy.record(batch_size, self.on, tokens, self.clock() - started)
 
     def _drafting(self, seq: Sequence) -> bool:
         pause = self.pauses.get(seq.seq_id)

@@ -1,20 +1,21 @@
-"""Whether speculating pays, per decode batch size: tokens per second of wall time of verify steps against plain
-decode steps, measured online per batch-size bucket (1, 2, 3-4, 5-8, ...); while it does not pay, decoding runs
-plain and re-probes speculation after a back-off that doubles each time a probe loses."""
+"""Whether speculating pays, per decode batch size: tokens per second of wall time of the decode steps run
+speculating (verify steps, and steps that drafted nothing) against those run plain, measured online per batch-size
+bucket (1, 2, 3-4, 5-8, ...); while it does not pay, decoding runs plain and re-probes speculation after a back-off
+that doubles each time a probe loses."""
 from dataclasses import dataclass, field
 
-MARGIN = 1.05  # verify steps must emit this many times the plain rate to keep speculating
+MARGIN = 1.05  # speculating steps must emit this many times the plain rate to keep speculating
 ALPHA = 0.25  # weight of the newest step in the moving averages
-WARM = 2  # steps of each kind a bucket measures before it decides (after one not measured)
-PROBE = 1  # verify steps a probe measures, after one it does not (its own averages: the workload may have changed)
+WARM = 2  # steps of each mode a bucket measures before it decides (after one not measured)
+PROBE = 2  # speculating steps a probe measures, after one it does not (afresh: the workload may have changed)
 MIN_BACKOFF, MAX_BACKOFF = 32, 1024  # plain steps before the next probe; doubles while probes keep losing
-STALL = 10.0  # a step this many times its kind's mean time is a stall (a compile, GC, swap): not measured
+STALL = 10.0  # a step this many times its mode's mean time is a stall (a compile, GC, swap): not measured
 
 
 @dataclass
 class Rate:
-    """Moving averages of the tokens a kind of step emits and of its wall seconds (their ratio: tokens/s)."""
-    skip: int = 0  # first samples not measured: a bucket's first step of a kind launches kernels the first time
+    """Moving averages of the tokens a mode's steps emit and of their wall seconds (their ratio: tokens/s)."""
+    skip: int = 0  # first samples not measured: a bucket's first step of a mode launches kernels the first time
     n: int = 0
     tokens: float = 0.0
     seconds: float = 0.0
@@ -38,11 +39,11 @@ class Rate:
 @dataclass
 class Bucket:
     plain: Rate = field(default_factory=lambda: Rate(skip=1))
-    verify: Rate = field(default_factory=lambda: Rate(skip=1))
-    on: bool = False  # speculating: the last decision found that verify steps pay
-    probing: int = WARM  # measured verify steps to run before the next decision
+    spec: Rate = field(default_factory=lambda: Rate(skip=1))
+    on: bool = False  # speculating: the last decision found that it pays
+    probing: int = WARM  # measured speculating steps to run before the next decision
     wait: int = 0  # plain steps left before the next probe (while off)
-    backoff: int = MIN_BACKOFF
+    backoff: int = field(default_factory=lambda: MIN_BACKOFF)
 
     @property
     def speculating(self) -> bool:
@@ -50,8 +51,8 @@ class Bucket:
 
     @property
     def gain(self) -> float:
-        """Verify steps' tokens/s over plain steps' (0: not measured yet)."""
-        return self.verify.per_second / self.plain.per_second if self.plain.n and self.verify.n else 0.0
+        """Speculating steps' tokens/s over plain steps' (0: not measured yet)."""
+        return self.spec.per_second / self.plain.per_second if self.plain.n and self.spec.n else 0.0
 
 
 def bucket_of(batch_size: int) -> int:
@@ -65,34 +66,34 @@ def bucket_label(index: int) -> str:
 
 
 class SpecPolicy:
-    """`speculate(b)` before a pure-decode step of b sequences, `record(b, verified, tokens, seconds)` after it."""
+    """`speculate(b)` before a pure-decode step of b sequences, `record(b, speculated, tokens, seconds)` after it."""
 
     def __init__(self):
         self.buckets: dict[int, Bucket] = {}
 
     def speculate(self, batch_size: int) -> bool:
-        """Plain until the bucket has WARM plain steps measured, then WARM verify steps; then verify while it pays,
-        else plain with a probe (PROBE verify steps) after `backoff` plain steps."""
+        """Plain until the bucket has WARM plain steps measured, then WARM speculating steps; then speculating while
+        it pays, else plain with a probe (PROBE speculating steps) after `backoff` plain steps."""
         return self.buckets.setdefault(bucket_of(batch_size), Bucket()).speculating
 
-    def record(self, batch_size: int, verified: bool, tokens: int, seconds: float) -> None:
-        """A pure-decode step ran: as a verify step (verified) or plain; it emitted tokens in seconds of wall time
-        (on the GPU a plain step's tokens arrive with the next step: step-to-step time, the same count)."""
+    def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A pure-decode step ran, speculating (as `speculate` said) or plain; it emitted tokens in seconds of wall
+        time (on the GPU a plain step's tokens arrive with the next step: step-to-step time, the same count)."""
         b = self.buckets.setdefault(bucket_of(batch_size), Bucket())
-        if not verified:
+        if not speculated:
             b.plain.add(tokens, seconds)
             if not b.on and not b.probing:
                 b.wait -= 1
-                if b.wait <= 0:  # probe: measure verify steps afresh, from the second (the first waits for the
-                    b.probing, b.verify = PROBE, Rate(skip=1)  # plain step in flight; a draft model catches up)
+                if b.wait <= 0:  # probe: measure afresh, from the second step (the first waits for the plain
+                    b.probing, b.spec = PROBE, Rate(skip=1)  # step in flight; a draft model catches up)
             return
-        b.verify.add(tokens, seconds)
-        if not b.verify.n:  # the bucket's first verify step: not measured
+        b.spec.add(tokens, seconds)
+        if not b.spec.n:  # not measured
             return
         b.probing = max(0, b.probing - 1)
         if b.probing or b.plain.n < WARM:
             return
-        if b.verify.per_second > MARGIN * b.plain.per_second:
+        if b.spec.per_second > MARGIN * b.plain.per_second:
             b.on, b.backoff = True, MIN_BACKOFF
         else:
             b.on, b.wait, b.backoff = False, b.backoff, min(MAX_BACKOFF, 2 * b.backoff)
@@ -101,8 +102,8 @@ class SpecPolicy:
         out = {}
         for i, b in sorted(self.buckets.items()):
             label = f'{{batch="{bucket_label(i)}"}}'
-            out[f"lowbit_spec_speculating{label}"] = (float(b.speculating), "1 while speculation pays in this "
+            out[f"lowbit_spec_speculating{label}"] = (float(b.speculating), "1 while speculating pays in this "
                                                       "decode batch-size bucket (or is being measured), else 0.")
-            out[f"lowbit_spec_gain{label}"] = (b.gain, "Measured tokens/s of verify steps over plain decode steps "
+            out[f"lowbit_spec_gain{label}"] = (b.gain, "Measured tokens/s of speculating over plain decode steps "
                                                "in this bucket (0: not measured yet).")
         return out
