@@ -29,7 +29,7 @@ class EngineConfig:
     ngram_size: int = 3  # ngram: the longest suffix looked up in the sequence's history
     draft_model: str | None = None  # draft: store name or directory of a model with the target's vocabulary
     speculative_max_batch_size: int = 16  # speculation turns itself off for larger decode batches
-    speculative_adaptive: bool = True  # below that: speculate only where measured verify steps beat plain decoding
+    speculative_adaptive: bool = True  # below that: speculate only where it measurably beats plain decoding
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over; > 1: no overlap, no graphs
     data_parallel_size: int = 1  # replicas behind one server (lowbit serve), a process each on its own devices
 
