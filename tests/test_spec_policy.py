@@ -168,6 +168,18 @@ def test_greedy_outputs_equal_plain_decoding_while_the_policy_switches(overlap, 
     assert engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_default_policy_on_the_wall_clock_keeps_outputs(overlap):
+    """The engine as configured by default (policy on, perf_counter): whatever it decides, outputs are plain's."""
+    settings = dict(num_kv_blocks=300, max_num_tokens=64, overlap_steps=overlap)
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    plain = generate(long_engine(**settings), PROMPTS, params)
+    engine = long_engine(speculative="ngram", num_draft_tokens=4, ngram_size=1, **settings)
+    assert generate(engine, PROMPTS, params) == plain
+    assert engine.spec.policy.buckets and len(engine.spec.recent) > 0
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def test_metrics_show_the_enabled_fraction_and_each_bucket_once_described():
     engine = tiny_engine(speculative="ngram", num_draft_tokens=4, ngram_size=1, num_kv_blocks=96)
     SimulatedDevice(engine)
