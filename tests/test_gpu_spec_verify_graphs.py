@@ -35,7 +35,7 @@ def engine(draft_seed: int | None = None, **config) -> Engine:
     draft = None
     if draft_seed is not None:
         draft = dummy_checkpoint("bf16", MODEL, seed=draft_seed, device="cuda", std=0.05)
-        cfg |= dict(speculative="draft", draft_model=f"tiny-seed{draft_seed}")
+        cfg |= dict(speculative="draft", speculative_adaptive=False, draft_model=f"tiny-seed{draft_seed}")
     return Engine(ckpt.path, EngineConfig(**cfg), ckpt=ckpt, tokenizer=DummyTokenizer(), draft_ckpt=draft)
 
 
@@ -74,7 +74,8 @@ def assert_greedy_same(plain, spec):
 
 
 def test_graphed_verify_logits_equal_eager_verify_logits():
-    e = engine(speculative="ngram", num_draft_tokens=4, ngram_size=1)  # one-token matches: drafts often
+    e = engine(speculative="ngram", speculative_adaptive=False,
+               num_draft_tokens=4, ngram_size=1)  # one-token matches: drafts often
     assert e.runner.verify_graphs is not None and e.runner.verify_graphs.tokens == [2, 3, 4, 5]
     pairs = record_graph_runs(e.runner)
     generate(e, PROMPTS, GREEDY)
@@ -92,7 +93,8 @@ def test_greedy_outputs_with_graphed_speculation_equal_plain_decoding(drafter):
     plain = generate(engine(), PROMPTS, GREEDY)
     draft_replays = [0]
     if drafter == "ngram":
-        e = engine(speculative="ngram", num_draft_tokens=4, ngram_size=1)  # one-token matches: drafts often
+        e = engine(speculative="ngram", speculative_adaptive=False,
+                   num_draft_tokens=4, ngram_size=1)  # one-token matches: drafts often
     else:
         e = engine(draft_seed=0 if drafter == "draft-self" else 1, num_draft_tokens=4)
         draft_graphs = e.spec.drafter.runner.graphs

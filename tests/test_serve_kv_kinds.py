@@ -103,7 +103,8 @@ def test_prefix_hit_past_released_window_blocks(tiny):
 def test_speculative_rollback_keeps_hf_tokens(tiny):
     path, model = tiny
     prompts = [[(37 * i) % 995 + 5 for i in range(300)], PROMPTS[2]]  # 300 distinct tokens: outputs recur
-    llm = make_llm(path, speculative="ngram", num_draft_tokens=3, ngram_size=1, max_num_tokens=16)
+    llm = make_llm(path, speculative="ngram", speculative_adaptive=False,
+                   num_draft_tokens=3, ngram_size=1, max_num_tokens=16)
     assert len(llm.engine.runner.kv_blocks) == 2
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert tokens(outs) == hf_greedy(model, prompts, 12)
@@ -121,7 +122,7 @@ def test_host_cache_falls_back_to_one_pool(tiny):
 
 def test_draft_model_falls_back_to_one_pool(tiny):
     path, model = tiny
-    llm = make_llm(path, speculative="draft", draft_model=str(path), num_draft_tokens=2)
+    llm = make_llm(path, speculative="draft", speculative_adaptive=False, draft_model=str(path), num_draft_tokens=2)
     assert len(llm.engine.runner.kv_blocks) == 1 and llm.engine.spec.drafter.runner.kv_windows == [None]
     assert tokens(llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))) == \
         hf_greedy(model, PROMPTS)

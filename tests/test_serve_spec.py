@@ -58,7 +58,8 @@ def assert_same(plain, spec, logprob_tol=1e-4):
 ], ids=["batch", "chunked", "preempt", "overlap"])
 def test_greedy_outputs_equal_plain_decoding_and_drafts_are_accepted(settings):
     plain = generate(tiny_engine(**settings), PROMPTS, GREEDY)
-    engine = tiny_engine(speculative="ngram", num_draft_tokens=4, ngram_size=1, **settings)  # one-token matches:
+    engine = tiny_engine(speculative="ngram", speculative_adaptive=False,
+                         num_draft_tokens=4, ngram_size=1, **settings)  # one-token matches:
     spec = generate(engine, PROMPTS, GREEDY)  # the most drafts, and rejections
     assert_same(plain, spec)
     assert engine.spec.num_steps > 0 and engine.spec.num_accepted > 0
@@ -73,7 +74,7 @@ def test_steps_without_drafts_are_launched_overlapped_and_outputs_still_equal():
     decode steps (their tokens resolved at the next step) and the outputs stay those of plain decoding."""
     settings = dict(num_kv_blocks=96, overlap_steps=True)
     plain = generate(tiny_engine(**settings), PROMPTS, GREEDY)
-    engine = tiny_engine(speculative="ngram", num_draft_tokens=4, **settings)
+    engine = tiny_engine(speculative="ngram", speculative_adaptive=False, num_draft_tokens=4, **settings)
     step, launched = engine.spec.step, []
 
     def counted(eng, batch):
@@ -89,7 +90,7 @@ def test_prefix_reuse_after_verify_steps_keeps_outputs():
     """A second round finds the first round's blocks (prompt + accepted tokens); rejected drafts were never hashed,
     so the reused prefixes give the same tokens as a fresh engine without speculation."""
     plain = generate(tiny_engine(num_kv_blocks=96), PROMPTS, GREEDY)
-    engine = tiny_engine(speculative="ngram", num_kv_blocks=96)
+    engine = tiny_engine(speculative="ngram", speculative_adaptive=False, num_kv_blocks=96)
     first = generate(engine, PROMPTS, GREEDY)
     extended = [p + ids[:20] for p, (ids, *_) in zip(PROMPTS, first)]  # prompts whose heads were generated
     hits = engine.block_manager.num_hit_tokens
@@ -106,7 +107,7 @@ def test_seeded_sampling_stop_rules_and_logprobs_equal_plain_decoding():
               SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, logprobs=0),  # max_tokens mid-draft
               SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=["dn"], stop_token_ids=[202])]
     plain = generate(tiny_engine(num_kv_blocks=96), PROMPTS, params)
-    engine = tiny_engine(speculative="ngram", num_draft_tokens=3, num_kv_blocks=96)
+    engine = tiny_engine(speculative="ngram", speculative_adaptive=False, num_draft_tokens=3, num_kv_blocks=96)
     spec = generate(engine, PROMPTS, params, stream=True)
     assert_same(plain, spec)
     assert len(spec[2][0]) == 9 and spec[2][2] == "length"
@@ -114,7 +115,8 @@ def test_seeded_sampling_stop_rules_and_logprobs_equal_plain_decoding():
 
 
 def test_auto_off_above_the_batch_threshold():
-    engine = tiny_engine(speculative="ngram", speculative_max_batch_size=2, num_kv_blocks=96)
+    engine = tiny_engine(speculative="ngram", speculative_adaptive=False,
+                         speculative_max_batch_size=2, num_kv_blocks=96)
     plain = generate(tiny_engine(num_kv_blocks=96), PROMPTS[:3], GREEDY)
     assert_same(plain, generate(engine, PROMPTS[:3], GREEDY))  # same length: all three decode together
     assert engine.spec.num_steps == 0
@@ -123,7 +125,7 @@ def test_auto_off_above_the_batch_threshold():
 
 
 def test_metrics_report_drafted_and_accepted_tokens():
-    engine = tiny_engine(speculative="ngram", num_kv_blocks=96)
+    engine = tiny_engine(speculative="ngram", speculative_adaptive=False, num_kv_blocks=96)
     generate(engine, PROMPTS, GREEDY)
     text = engine.metrics.render(engine.gauges())
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("lowbit_spec")}
@@ -208,7 +210,8 @@ def test_incremental_ngram_index_equals_a_scan_of_the_whole_history():
 
 
 def test_a_sequence_whose_drafts_miss_pauses_drafting_for_doubling_spans():
-    dec = SpecDecoder(NgramDrafter(3), EngineConfig(speculative="ngram", num_draft_tokens=8))
+    dec = SpecDecoder(NgramDrafter(3), EngineConfig(speculative="ngram", speculative_adaptive=False,
+                                                    num_draft_tokens=8))
     seq = Sequence(list(range(20)), SamplingParams())
     seq.num_computed_tokens = 19  # a decode: its newest token is uncomputed
 

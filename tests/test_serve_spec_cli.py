@@ -46,7 +46,7 @@ def test_llm_with_ngram_speculation_quotes_real_text_identically():
     prompt = f"Passage: {passage}\nRepeat it word for word.\nPassage: {passage}\nAgain:\nPassage:"
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     plain = LLM(DEFAULT_MODEL, num_kv_blocks=64).generate(prompt, params)[0].outputs[0]
-    llm = LLM(DEFAULT_MODEL, num_kv_blocks=64, speculative="ngram", num_draft_tokens=4)
+    llm = LLM(DEFAULT_MODEL, num_kv_blocks=64, speculative="ngram", speculative_adaptive=False, num_draft_tokens=4)
     spec = llm.generate(prompt, params)[0].outputs[0]
     assert spec.token_ids == plain.token_ids and spec.text == plain.text
     s = llm.engine.spec

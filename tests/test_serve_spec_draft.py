@@ -29,7 +29,7 @@ def draft_engine(draft: str = "self", **config) -> Engine:
     draft_ckpt = dummy_checkpoint("bf16", d["config"], seed=d.get("seed", 0), device="cpu",
                                   std=d.get("std", 0.02))
     cfg = dict(max_batch_size=4, max_num_tokens=24, num_kv_blocks=24, block_size=4, device="cpu", dtype="float32",
-               speculative="draft", draft_model=f"tiny-{draft}")
+               speculative="draft", speculative_adaptive=False, draft_model=f"tiny-{draft}")
     return Engine(ckpt.path, EngineConfig(**cfg | config), ckpt=ckpt, tokenizer=CharTokenizer(),
                   draft_ckpt=draft_ckpt)
 

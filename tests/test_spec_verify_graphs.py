@@ -97,7 +97,7 @@ def test_ngram_speculation_through_padded_verify_graph_buffers_matches_eager(ove
     graph's size) gives the eager verify step's logits within 1e-5 and the outputs of plain decoding."""
     settings = dict(num_kv_blocks=96, overlap_steps=overlap)
     plain = generate(tiny_engine(**settings), PROMPTS, GREEDY)
-    engine = tiny_engine(speculative="ngram", num_draft_tokens=4, **settings)
+    engine = tiny_engine(speculative="ngram", speculative_adaptive=False, num_draft_tokens=4, **settings)
     pairs = emulate(engine.runner, range(2, 6))
     spec = generate(engine, PROMPTS, GREEDY)
     assert [s[0] for s in spec] == [p[0] for p in plain]
@@ -119,7 +119,8 @@ def test_padded_verify_buffers_through_the_triton_kernels_match_eager():
         pytest.skip("needs TRITON_INTERPRET=1 before triton's import")
     prompts, params = PROMPTS[:2], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     plain_engine = tiny_engine(num_kv_blocks=96)  # (an engine on the CPU installs the torch backend)
-    engine = tiny_engine(speculative="ngram", num_draft_tokens=3, ngram_size=1, num_kv_blocks=96)  # drafts often
+    engine = tiny_engine(speculative="ngram", speculative_adaptive=False,
+                         num_draft_tokens=3, ngram_size=1, num_kv_blocks=96)  # drafts often
     pairs = emulate(engine.runner, range(2, 5))
     saved = attention._backend
     try:

@@ -61,6 +61,8 @@ def parse(argv):
     p.add_argument("--tiny", action="store_true", help="a tiny fp32 model (CPU smoke test)")
     p.add_argument("--host-only", action="store_true",
                    help="host work per token, plain vs n-gram, model forward stubbed (CPU; --repeats runs each)")
+    p.add_argument("--step-costs", choices=["h200"],
+                   help="with --host-only: time on a clock that advances by the H200's measured step costs")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="also write the JSON lines here")
     args = p.parse_args(argv)
@@ -71,6 +73,8 @@ def parse(argv):
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.draft_model and not args.model:
         p.error("--draft-model needs --model (the target it drafts for)")
+    if args.step_costs and not args.host_only:
+        p.error("--step-costs needs --host-only")
     if args.host_only and (args.model or args.tiny):
         p.error("--host-only stubs the model: no --model or --tiny")
     if args.batch1_only and not args.model:
@@ -235,9 +239,10 @@ def print_break_even(rows, emit) -> None:
 
 def run_batch(engine: Engine, prompts: list[list[int]], output_len: int, decoder) -> tuple[float, list, object]:
     """(tokens/s (on the CPU: per process CPU second), outputs, decoder) of greedy requests for every prompt at once,
-    speculating with decoder (None: not; its counters start at zero), after a short warm-up batch of the same prompts
-    (the kernels' first launches at this batch's prefill and verify shapes compile outside the timed run; with
-    prefix caching on, the timed prompts then hit the cache, so both runs measure mostly decode)."""
+    speculating with decoder (None: not; its counters start at zero, its policy keeps what it learnt), after a
+    short warm-up batch of the same prompts (the kernels' first launches at this batch's prefill and verify shapes
+    compile outside the timed run; with prefix caching on, the timed prompts then hit the cache, so both runs
+    measure mostly decode)."""
     engine.spec = decoder
     for i, p in enumerate(prompts):
         engine.add_request(f"warm-{i}", p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -245,6 +250,7 @@ def run_batch(engine: Engine, prompts: list[list[int]], output_len: int, decoder
         engine.step()
     if decoder is not None:
         decoder.num_steps = decoder.num_verified = decoder.num_drafted = decoder.num_accepted = 0
+        decoder.recent.clear()
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     clock = time.perf_counter if engine.runner.device.type == "cuda" else time.process_time  # CPU: shared machine
     sync()
@@ -266,31 +272,36 @@ def ngram_k(args) -> int:
 
 def tps_runs(engine: Engine, prompts, args, drafter, name: str, emit, model: str, k: int,
              workload: str = "quote") -> bool:
-    """Part 2 / 3: plain vs speculative tokens/s at each --tps-batch-sizes (the auto-off lifted), speculating with a
-    sequence whose drafts miss pausing its drafting (the engine's way) and without; whether every output was
-    identical."""
+    """Part 2 / 3: plain vs speculative tokens/s at each --tps-batch-sizes (the auto-off lifted): speculating at every
+    step (pausing sequences whose drafts miss: no policy), and with the policy (the engine's way), its first run
+    (cold: it learns) and a second with what it learnt (warm); whether every output was identical."""
     config = replace(engine.config, num_draft_tokens=k, speculative_max_batch_size=max(args.tps_batch_sizes))
     print(f"tokens/s, {workload} prompts, greedy, {args.output_len} tokens each, {name} k={k}:")
-    print("| batch | plain tok/s | n-gram, no pausing | n-gram tok/s | speed-up | acceptance | tokens/step | "
-          "identical |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| batch | plain tok/s | no policy | x | policy, cold | x | policy, warm | x | acceptance | tokens/step | "
+          "verify steps (warm) | identical |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     all_same, pays_up_to, paying = True, 0, True
     for b in args.tps_batch_sizes:
         plain_tps, plain, _ = run_batch(engine, prompts[:b], args.output_len, None)
-        fixed_tps, fixed, _ = run_batch(engine, prompts[:b], args.output_len,
-                                        SpecDecoder(drafter, config, pausing=False))
-        spec_tps, spec, s = run_batch(engine, prompts[:b], args.output_len, SpecDecoder(drafter, config))
-        same = sum(x == y == z for x, y, z in zip(plain, fixed, spec))
+        fixed_tps, fixed, s = run_batch(engine, prompts[:b], args.output_len,
+                                        SpecDecoder(drafter, config, adaptive=False))
+        policy = SpecDecoder(drafter, config)
+        cold_tps, cold, _ = run_batch(engine, prompts[:b], args.output_len, policy)
+        spec_tps, spec, _ = run_batch(engine, prompts[:b], args.output_len, policy)
+        same = sum(w == x == y == z for w, x, y, z in zip(plain, fixed, cold, spec))
         rate = s.num_accepted / s.num_drafted if s.num_drafted else 0.0
         per_step = 1 + s.num_accepted / s.num_verified if s.num_verified else 1.0
+        enabled = sum(policy.recent) / len(policy.recent) if policy.recent else 0.0
+        x = [t / plain_tps for t in (fixed_tps, cold_tps, spec_tps)]
         emit({"bench": "spec-tps", "model": model, "workload": workload, "drafter": name, "batch": b,
               "num_draft_tokens": k, "output_len": args.output_len, "plain_tok_s": plain_tps,
-              "no_pausing_tok_s": fixed_tps, "spec_tok_s": spec_tps, "speedup": spec_tps / plain_tps,
-              "acceptance_rate": rate, "tokens_per_step": per_step, "identical_outputs": same, "requests": b})
-        print(f"| {b} | {plain_tps:.1f} | {fixed_tps:.1f} | {spec_tps:.1f} | {spec_tps / plain_tps:.2f} | {rate:.2f} "
-              f"| {per_step:.2f} | {same}/{b} |")
+              "no_policy_tok_s": fixed_tps, "cold_tok_s": cold_tps, "spec_tok_s": spec_tps, "speedup": x[2],
+              "no_policy_speedup": x[0], "cold_speedup": x[1], "acceptance_rate": rate, "tokens_per_step": per_step,
+              "enabled_fraction": enabled, "identical_outputs": same, "requests": b})
+        print(f"| {b} | {plain_tps:.1f} | {fixed_tps:.1f} | {x[0]:.2f} | {cold_tps:.1f} | {x[1]:.2f} | "
+              f"{spec_tps:.1f} | {x[2]:.2f} | {rate:.2f} | {per_step:.2f} | {enabled:.2f} | {same}/{b} |")
         all_same &= same == b
-        paying &= spec_tps >= plain_tps
+        paying &= fixed_tps >= plain_tps
         pays_up_to = b if paying else pays_up_to
     if pays_up_to:
         print(f"auto-off: {name} paid at every batch size up to {pays_up_to} here: set speculative_max_batch_size "

@@ -29,6 +29,7 @@ class EngineConfig:
     ngram_size: int = 3  # ngram: the longest suffix looked up in the sequence's history
     draft_model: str | None = None  # draft: store name or directory of a model with the target's vocabulary
     speculative_max_batch_size: int = 16  # speculation turns itself off for larger decode batches
+    speculative_adaptive: bool = True  # below that: speculate only where it measurably beats plain decoding
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each) the model is split over; > 1: no overlap, no graphs
     data_parallel_size: int = 1  # replicas behind one server (lowbit serve), a process each on its own devices
 
@@ -38,7 +39,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        for name in ("overlap_steps", "cuda_graphs", "enable_prefix_caching"):
+        for name in ("overlap_steps", "cuda_graphs", "enable_prefix_caching", "speculative_adaptive"):
             value = getattr(self, name)
             if not (isinstance(value, bool) or value is None and name == "overlap_steps"):
                 raise ValueError(f"{name} must be true or false, got {value!r}")

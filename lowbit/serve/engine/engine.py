@@ -201,10 +201,21 @@ class Engine:
         meanwhile: the host schedules and prepares step n+1 while the device computes step n."""
         batch = self.scheduler.schedule()
         self.runner.move_blocks(self.block_manager.take_moves())  # host-pool copies, before any forward reads them
-        if batch is not None and self._speculates(batch):
-            outputs = self._resolve()  # drafts need every sequence's newest token on the host
-            batch = _without_finished(batch)
-            return outputs + (self.spec.step(self, batch) if batch is not None else [])
+        if self.spec is None or batch is None or not batch.is_decode or self._is_constrained(batch):
+            return self._plain_step(batch)
+        started, steady = self.spec.clock(), self.in_flight is not None or not self.overlap
+        outputs = self._spec_step(batch) if self.spec.speculates(batch) else self._plain_step(batch)
+        self.spec.timed(len(batch.seqs), started, steady)
+        return outputs
+
+    def _spec_step(self, batch: Batch) -> list[RequestOutput]:
+        """Drafts and verifies (no grammar: a mask needs each token before it)."""
+        outputs = self._resolve()  # drafts need every sequence's newest token on the host
+        batch = _without_finished(batch)
+        return outputs + (self.spec.step(self, batch) if batch is not None else [])
+
+    def _plain_step(self, batch: Batch | None) -> list[RequestOutput]:
+        """Launched (overlapped), or run at once where the host needs its tokens first."""
         if batch is not None and (not self.overlap or self._scores_prompt(batch) or self._is_constrained(batch)):
             outputs = self._resolve()  # the in-flight tokens may finish sequences of this batch
             batch = _without_finished(batch)
@@ -221,11 +232,6 @@ class Engine:
         max_tokens=0 request (its prompt is all it computes)."""
         return bool(self.scoring) and any(s.request_id in self.scoring and s.num_computed_tokens < s.num_prompt_tokens
                                           for s in batch.seqs)
-
-    def _speculates(self, batch: Batch) -> bool:
-        """Whether this step drafts and verifies: speculation on, a pure-decode batch within its auto-off size, no
-        grammar (a mask needs each token before it)."""
-        return self.spec is not None and self.spec.applies(batch) and not self._is_constrained(batch)
 
     def _is_constrained(self, batch: Batch) -> bool:
         """Whether a sequence of the batch follows a grammar: its mask needs the token before, so its steps run at

@@ -59,7 +59,7 @@ class EngineMetrics:
         self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
 
     def render(self, gauges: dict[str, tuple[float, str]]) -> str:
-        """gauges: name -> (value, help) read from the engine at scrape time."""
+        """gauges: name (labels included) -> (value, help) read from the engine at scrape time."""
         lines = self.ttft.render("lowbit_time_to_first_token_seconds", "Time to first token.")
         lines += self.itl.render("lowbit_inter_token_latency_seconds", "Time between two tokens of a request.")
         counters = {"lowbit_prompt_tokens_total": (self.prompt_tokens, "Prompt tokens received."),
@@ -71,6 +71,11 @@ class EngineMetrics:
         lines += [f'lowbit_requests_finished_total{{reason="{r}"}} {n}' for r, n in sorted(self.requests_finished.items())]
         gauges = gauges | {"lowbit_generation_tokens_per_second": (self.tokens_per_second(),
                                                                    f"Generated tokens/s over the last {self.window_s:.0f} s.")}
+        described = set()  # a name with labels (name{key="value"}) is described once for all its label sets
         for name, (value, help_text) in gauges.items():
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value:g}"]
+            base = name.split("{")[0]
+            if base not in described:
+                described.add(base)
+                lines += [f"# HELP {base} {help_text}", f"# TYPE {base} gauge"]
+            lines.append(f"{name} {value:g}")
         return "\n".join(lines) + "\n"

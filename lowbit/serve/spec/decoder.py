@@ -1,20 +1,33 @@
 """One speculative step of the engine: draft, verify in one forward over the paged KV, emit, roll back the rest."""
 import time
+from collections import deque
 
 from lowbit.serve.engine.config import EngineConfig
 from lowbit.serve.engine.scheduler import Batch
 from lowbit.serve.engine.sequence import Sequence
+from lowbit.serve.spec.policy import SpecPolicy
 from lowbit.serve.spec.verify import verify
 
 MAX_PAUSE = 16  # tokens: the longest a sequence whose drafts keep missing decodes without drafting
+WINDOW = 256  # pure-decode steps lowbit_spec_enabled_fraction looks back over
 
 
 class SpecDecoder:
-    """Owns the drafter and the acceptance counters; `Engine.step` hands it pure-decode batches (`applies`)."""
+    """Owns the drafter, the policy and the acceptance counters; `Engine.step` asks it whether a pure-decode batch
+    speculates (`speculates`), runs it (`step`) and reports the step's wall time (`timed`)."""
 
-    def __init__(self, drafter, config: EngineConfig, pausing: bool = True):
-        """pausing: a sequence whose drafts miss pauses drafting (`_pace`); False: never (for benchmarks)."""
+    def __init__(self, drafter, config: EngineConfig, pausing: bool = True, adaptive: bool = True,
+                 clock=time.perf_counter):
+        """pausing: a sequence whose drafts miss pauses drafting (`_pace`); False: never (benchmarks). adaptive: a
+        batch-size bucket where verify steps emit fewer tokens per second than plain steps decodes plain
+        (`policy.SpecPolicy`); False: every step that `applies` verifies (benchmarks, tests of the verify path).
+        clock: seconds, what the policy times steps with."""
         self.drafter = drafter
+        self.policy = SpecPolicy() if adaptive else None
+        self.clock = clock
+        self.emitted: int | None = None  # tokens the last step emitted as a verify step (None: it ran plain)
+        self.on = False  # the policy let the last step speculate (it verified if a sequence had a draft)
+        self.recent: deque[bool] = deque(maxlen=WINDOW)  # per pure-decode step: whether it verified
         self.k = config.num_draft_tokens  # the most tokens a sequence drafts per step
         self.pausing = pausing
         self.pauses: dict[int, tuple[int, int]] = {}  # by seq_id: (drafts again from this many tokens, pause length)
@@ -28,6 +41,25 @@ class SpecDecoder:
         """Pure decode (one token per sequence, none in prefill), no larger than the auto-off batch size, and a
         sequence not pausing (`_pace`): else the step runs as plain decoding (overlapped on the GPU)."""
         return batch.is_decode and len(batch.seqs) <= self.max_batch_size and any(map(self._drafting, batch.seqs))
+
+    def speculates(self, batch: Batch) -> bool:
+        """Whether this pure-decode step drafts and verifies: the policy says speculating pays at this batch size
+        (or measures it) and `applies`."""
+        self.emitted = None
+        self.on = len(batch.seqs) <= self.max_batch_size and (self.policy is None
+                                                               or self.policy.speculate(len(batch.seqs)))
+        return self.on and self.applies(batch)
+
+    def timed(self, batch_size: int, started: float, steady: bool) -> None:
+        """The pure-decode step of batch_size sequences that `speculates` was asked about started at `started`
+        (clock) and ends now. The policy compares whole modes: steps it let speculate (verify steps, and steps
+        that drafted nothing, whose drafting and lost overlap are speculation's costs too) against steps it kept
+        plain. Overlapped, a plain step's wall time is its launch plus the wait for the step before: one step's time
+        when a step was in flight (steady), only a launch when none was (after a verify step: not measured)."""
+        self.recent.append(self.emitted is not None)
+        if self.policy is not None and batch_size <= self.max_batch_size and (self.on or steady):
+            tokens = self.emitted if self.emitted is not None else batch_size
+            self.policy.record(batch_size, self.on, tokens, self.clock() - started)
 
     def _drafting(self, seq: Sequence) -> bool:
         pause = self.pauses.get(seq.seq_id)
@@ -70,6 +102,7 @@ class SpecDecoder:
                 _roll_back(engine, seq, n + len(tokens) - 1)
         self.drafter.after_verify(seqs)
         self.num_steps += 1
+        self.emitted = num_emitted
         engine.metrics.on_step(num_emitted)
         return [engine._output(s) for s in seqs if s.is_finished or engine.requests[s.request_id].stream]
 
@@ -118,7 +151,10 @@ class SpecDecoder:
                 "lowbit_spec_accepted_tokens_total": (self.num_accepted, "Drafted tokens the target accepted."),
                 "lowbit_spec_acceptance_rate": (rate, "Accepted / drafted tokens."),
                 "lowbit_spec_accepted_tokens_mean": (mean, "Accepted tokens per sequence and verify step with a "
-                                                     "draft.")} | self.drafter.gauges()
+                                                     "draft.")} \
+            | {"lowbit_spec_enabled_fraction": (sum(self.recent) / len(self.recent) if self.recent else 0.0,
+                                                f"Pure-decode steps that ran as verify steps, of the last {WINDOW}.")} \
+            | (self.policy.gauges() if self.policy is not None else {}) | self.drafter.gauges()
 
 
 def _roll_back(engine, seq: Sequence, num_computed: int) -> None:
@@ -137,8 +173,8 @@ def make_decoder(config: EngineConfig, target_runner=None, draft_runner=None) ->
         return None
     if config.speculative == "ngram":
         from lowbit.serve.spec.ngram import NgramDrafter
-        return SpecDecoder(NgramDrafter(config.ngram_size), config)
+        return SpecDecoder(NgramDrafter(config.ngram_size), config, adaptive=config.speculative_adaptive)
     from lowbit.serve.spec.draft_model import DraftModelDrafter
     if draft_runner is None:
         raise ValueError("speculative: draft needs the draft model's runner (spec.draft_model.load_draft_runner)")
-    return SpecDecoder(DraftModelDrafter(draft_runner, config), config)
+    return SpecDecoder(DraftModelDrafter(draft_runner, config), config, adaptive=config.speculative_adaptive)
