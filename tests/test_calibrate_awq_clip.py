@@ -117,3 +117,15 @@ def test_chosen_clip_has_the_least_loss_on_the_grid():
     expected = group_max * torch.tensor(clip_ratios(), dtype=group_max.dtype)[best]
     assert torch.isclose(chosen.float(), expected.float(), rtol=1e-6).float().mean() >= 0.99
     assert (chosen < group_max).any()
+
+
+def test_recipe_clip_keys_reach_the_search():
+    """algorithm_args min_clip_ratio / shrink_step go to the clip search (modelopt's AWQ-lite config refuses them):
+    every group's amax is then one of the ratios 0.8, 0.9, 1 of its max."""
+    model = calibrate(tiny_llama(), awq_recipe(algorithm_args={"alpha_step": 0.5, "min_clip_ratio": 0.8,
+                                                               "shrink_step": 0.1}), batches(4, 32))
+    lin = model.model.layers[1].self_attn.o_proj
+    group_max = lin.weight.detach().reshape(-1, GROUP).abs().amax(-1, keepdim=True)
+    ratio = lin.weight_quantizer.amax.float().reshape(-1, 1) / group_max
+    on_grid = sum(torch.isclose(ratio, torch.tensor(r), rtol=1e-5) for r in (0.8, 0.9, 1.0))
+    assert bool(on_grid.all()) and bool((ratio < 0.95).any())

@@ -66,12 +66,15 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
     with redirect_stdout(sys.stderr):  # modelopt prints its config and counts: keep stdout for the summary
         cfg = config if config is not None else modelopt_config(recipe, model)
         own_clip = config is None and _clip_search_is_lowbits(recipe)
-        if own_clip:  # modelopt runs awq_full's first half, lowbit's awq_clip.py the second
-            cfg["algorithm"] = {**cfg["algorithm"], "method": "awq_lite"}
+        if own_clip:  # modelopt runs awq_full's first half (its config refuses the clip keys), awq_clip.py the second
+            from lowbit.calibrate.awq_clip import CLIP_ARGS
+
+            lite = {k: v for k, v in cfg["algorithm"].items() if k not in CLIP_ARGS}
+            cfg["algorithm"] = lite | {"method": "awq_lite"}
         model = mtq.quantize(model, cfg, forward_loop(batches, desc=f"calibrating {recipe.name}",
                                                     later_passes=f"{recipe.algorithm} pass"))
         if own_clip:
-            from lowbit.calibrate.awq_clip import CLIP_ARGS, awq_clip_search
+            from lowbit.calibrate.awq_clip import awq_clip_search
             from lowbit.calibrate.gptq import share_pre_quant_scales
 
             # export gives linears that share an input one pre_quant_scale and max-calibrates each weight it
