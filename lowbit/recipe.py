@@ -140,12 +140,17 @@ def validate(r: Recipe) -> None:
 
 
 UNIT_ARGS = ("alpha", "alpha_step", "shrink_step", "min_clip_ratio")  # algorithm_args that must lie in [0, 1]
+STEP_ARGS = ("alpha_step", "shrink_step")  # grid steps: 0 would make an empty or endless grid
 
 
 def _check_algorithm_args(r: Recipe, bad) -> None:
     for key, value in r.algorithm_args.items():
         if key in UNIT_ARGS and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
             bad(f"algorithm_args.{key}", f"{value!r} is not a number in [0, 1]")
+        if key in STEP_ARGS and value == 0:
+            bad(f"algorithm_args.{key}", "0 is not a grid step (use a number in (0, 1])")
+        if key == "max_tokens_per_batch" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            bad("algorithm_args.max_tokens_per_batch", f"{value!r} is not a positive integer")
 
 
 def _check_rounding_args(r: Recipe, bad) -> None:

@@ -129,3 +129,15 @@ def test_recipe_clip_keys_reach_the_search():
     ratio = lin.weight_quantizer.amax.float().reshape(-1, 1) / group_max
     on_grid = sum(torch.isclose(ratio, torch.tensor(r), rtol=1e-5) for r in (0.8, 0.9, 1.0))
     assert bool(on_grid.all()) and bool((ratio < 0.95).any())
+
+
+@pytest.mark.parametrize("args, message", [({"shrink_step": 0}, "shrink_step"), ({"alpha_step": 0}, "alpha_step"),
+                                           ({"min_clip_ratio": 1.5}, "min_clip_ratio"),
+                                           ({"max_tokens_per_batch": 0}, "max_tokens_per_batch"),
+                                           ({"max_tokens_per_batch": 6.5}, "max_tokens_per_batch")])
+def test_bad_clip_keys_fail_with_one_line_naming_the_key(args, message):
+    from lowbit.errors import UserError
+
+    with pytest.raises(UserError, match=f"algorithm_args.{message}") as e:
+        awq_recipe(algorithm_args=args)
+    assert "\n" not in str(e.value)
