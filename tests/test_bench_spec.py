@@ -25,7 +25,32 @@ def test_spec_bench_tiny_times_every_point_and_agrees(tmp_path, capsys):
     tps = [r for r in rows if r["bench"] == "spec-tps"]
     assert [r["batch"] for r in tps] == [1, 2]
     assert all(r["identical_outputs"] == r["requests"] and r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 for r in tps)
+    assert all(r["divergences"] == [] for r in tps)
+    assert [r["plain_same_as_previous_batch"] for r in tps][0] == "-"
     assert "auto-off: n-gram " in printed
+
+
+def test_divergences_name_the_first_differing_token_and_the_gap_there():
+    """A run that leaves plain's greedy tokens at position 5 of request 1 (and one that agrees) is reported as
+    (1, 5, gap): gap is the top-2 logprob gap of a prefill of prompt + plain's first 5 tokens, whose best token is
+    plain's own 6th token (fp32 on the CPU)."""
+    spec = load("spec")
+    args = spec.parse(["--tiny", "--device", "cpu", "--passage", "16", "--output-len", "12",
+                       "--tps-batch-sizes", "2"])
+    engine = spec.build(args)
+    prompts = spec.synthetic_prompts(engine, args)
+    _, plain, _ = spec.run_batch(engine, prompts, 12, None)
+    other = [list(t) for t in plain]
+    other[1][5] = (other[1][5] + 1) % engine.runner.model.config["vocab_size"]
+    assert spec.divergences(engine, prompts, plain, [plain, plain]) == []
+    [(request, position, gap)] = spec.divergences(engine, prompts, plain, [plain, other])
+    assert (request, position) == (1, 5) and 0 < gap < 50
+    params = spec.SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    engine.add_request("check", prompts[1] + plain[1][:5], params, stream=False)
+    done = []
+    while engine.has_unfinished():
+        done += [o for o in engine.step() if o.finished]
+    assert done[0].outputs[0].token_ids == [plain[1][5]]
 
 
 def test_break_even_acceptance_solves_tokens_per_step_equal_to_the_cost_ratio():

@@ -7,7 +7,9 @@
 #   bash dev/scripts/h200_wave2b.sh spec      # lowbit bench spec: verify cost (graphed/eager), tok/s with/without
 #   bash dev/scripts/h200_wave2b.sh specreal  # lowbit bench spec on the real fp8 checkpoint, int4_awq drafting
 #   bash dev/scripts/h200_wave2b.sh specreal2 # n-gram on the real fp8 checkpoint: quote + chat, k = 8 (default), 4, 16
-#   bash dev/scripts/h200_wave2b.sh specoff   # the same at batch 1/4/16 with the measured auto-off policy (+ its tests)
+#   bash dev/scripts/h200_wave2b.sh specoff   # the same at batch 1/4/16/64 with the measured auto-off policy
+#   bash dev/scripts/h200_wave2b.sh spectests # the policy's tests and the verify-graph GPU tests
+#   bash dev/scripts/h200_wave2b.sh moediag   # the w8a8_sq (and fp8) Qwen3-MoE graphs check, with its numbers
 #   bash dev/scripts/h200_wave2b.sh interop   # W4 layouts (modelopt, compressed-tensors, GPTQ, AutoAWQ) batch-1 tok/s
 #   bash dev/scripts/h200_wave2b.sh gemma     # Gemma-3-12B shapes (two KV pools): engine check + serve figures
 #   bash dev/scripts/h200_wave2b.sh int8dyn   # INT8 per-token dynamic vs w8a8_sq: engine check + serve figures
@@ -46,10 +48,17 @@ specreal2)
     done
     ;;
 specoff)
-    lb 560 bench spec --model smollm2-135m-fp8 --batch1-only --tps-batch-sizes 1,4,16 \
-        --json "$OUT/spec_off.jsonl" | grep -v '^{' | tail -24
-    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_spec_policy.py \
+    lb 330 bench spec --model smollm2-135m-fp8 --batch1-only --tps-batch-sizes 1,4,16,64 \
+        --json "$OUT/spec_off.jsonl" | grep -v '^{' | tail -40
+    ;;
+spectests)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_spec_policy.py \
         tests/test_gpu_spec_verify_graphs.py 2>&1 | tail -5
+    ;;
+moediag)  # the w8a8_sq Qwen3-MoE graphs check with its numbers (and fp8's beside it)
+    t=tests/test_dummy_qwen3_moe.py::test_qwen3_moe_kernels_and_graphs_match_reference_path_on_gpu
+    timeout 100 python3 -m pytest -q -p no:cacheprovider "$t[w8a8_sq]" "$t[fp8]" 2>&1 \
+        | grep -E "passed|failed|^E " | cut -c1-2500
     ;;
 interop)
     lb 240 bench serve --model llama-3.1-8b --phases interop --max-batch-size 8 --json "$OUT/interop.json" \

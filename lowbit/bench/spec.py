@@ -266,6 +266,30 @@ def run_batch(engine: Engine, prompts: list[list[int]], output_len: int, decoder
     return len(prompts) * output_len / (clock() - t0), [out[i] for i in ids], decoder
 
 
+def divergences(engine: Engine, prompts: list[list[int]], plain: list, others: list[list]) -> list[tuple]:
+    """(request, position, gap) for every request some other run's greedy tokens leave plain's: the first position
+    where one does, and the gap in nats between the two best tokens there, scored by one prefill of the prompt and
+    plain's tokens before it (a near-tie: a gap that kernels of other shapes can flip by rounding)."""
+    firsts = {}
+    for r, tokens in enumerate(plain):
+        at = [next((i for i, (a, b) in enumerate(zip(tokens, o[r])) if a != b), None) for o in others]
+        at = [i for i in at if i is not None]
+        if at:
+            firsts[r] = min(at)
+    engine.spec = None
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=2)
+    ids = {f"gap{time.monotonic_ns()}-{r}": r for r in firsts}
+    for rid, r in ids.items():
+        engine.add_request(rid, prompts[r] + plain[r][:firsts[r]], params, stream=False)
+    gaps = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished and o.request_id in ids:
+                top = o.outputs[0].logprobs[0][1]
+                gaps[ids[o.request_id]] = top[0][1] - top[1][1]
+    return [(r, firsts[r], gaps[r]) for r in sorted(firsts)]
+
+
 def ngram_k(args) -> int:
     return args.num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS["ngram"]
 
@@ -278,17 +302,24 @@ def tps_runs(engine: Engine, prompts, args, drafter, name: str, emit, model: str
     config = replace(engine.config, num_draft_tokens=k, speculative_max_batch_size=max(args.tps_batch_sizes))
     print(f"tokens/s, {workload} prompts, greedy, {args.output_len} tokens each, {name} k={k}:")
     print("| batch | plain tok/s | no policy | x | policy, cold | x | policy, warm | x | acceptance | tokens/step | "
-          "verify steps (warm) | identical |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    all_same, pays_up_to, paying = True, 0, True
+          "verify steps (warm) | identical | first difference (largest top-2 gap there) | plain = plain at the "
+          "previous batch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    all_same, pays_up_to, paying, previous = True, 0, True, []
     for b in args.tps_batch_sizes:
         plain_tps, plain, _ = run_batch(engine, prompts[:b], args.output_len, None)
+        invariant = sum(a == p for a, p in zip(plain, previous))
+        invariant_text = f"{invariant}/{len(previous)}" if previous else "-"
+        previous = plain
         fixed_tps, fixed, s = run_batch(engine, prompts[:b], args.output_len,
                                         SpecDecoder(drafter, config, adaptive=False))
         policy = SpecDecoder(drafter, config)
         cold_tps, cold, _ = run_batch(engine, prompts[:b], args.output_len, policy)
         spec_tps, spec, _ = run_batch(engine, prompts[:b], args.output_len, policy)
         same = sum(w == x == y == z for w, x, y, z in zip(plain, fixed, cold, spec))
+        diverged = divergences(engine, prompts[:b], plain, [fixed, cold, spec])
+        where = (f"token {min(d[1] for d in diverged)} ({max(d[2] for d in diverged):.3f} nats)" if diverged
+                 else "-")
         rate = s.num_accepted / s.num_drafted if s.num_drafted else 0.0
         per_step = 1 + s.num_accepted / s.num_verified if s.num_verified else 1.0
         enabled = sum(policy.recent) / len(policy.recent) if policy.recent else 0.0
@@ -297,9 +328,12 @@ def tps_runs(engine: Engine, prompts, args, drafter, name: str, emit, model: str
               "num_draft_tokens": k, "output_len": args.output_len, "plain_tok_s": plain_tps,
               "no_policy_tok_s": fixed_tps, "cold_tok_s": cold_tps, "spec_tok_s": spec_tps, "speedup": x[2],
               "no_policy_speedup": x[0], "cold_speedup": x[1], "acceptance_rate": rate, "tokens_per_step": per_step,
-              "enabled_fraction": enabled, "identical_outputs": same, "requests": b})
+              "enabled_fraction": enabled, "identical_outputs": same, "requests": b,
+              "divergences": [{"request": r, "position": at, "top2_gap_nats": g} for r, at, g in diverged],
+              "plain_same_as_previous_batch": invariant_text})
         print(f"| {b} | {plain_tps:.1f} | {fixed_tps:.1f} | {x[0]:.2f} | {cold_tps:.1f} | {x[1]:.2f} | "
-              f"{spec_tps:.1f} | {x[2]:.2f} | {rate:.2f} | {per_step:.2f} | {enabled:.2f} | {same}/{b} |")
+              f"{spec_tps:.1f} | {x[2]:.2f} | {rate:.2f} | {per_step:.2f} | {enabled:.2f} | {same}/{b} | {where} | "
+              f"{invariant_text} |")
         all_same &= same == b
         paying &= fixed_tps >= plain_tps
         pays_up_to = b if paying else pays_up_to
