@@ -2,6 +2,7 @@
 emit more tokens per second than plain steps, re-probes after a doubling back-off, and switching mid-generation keeps
 greedy outputs those of plain decoding. Costs come from an injected clock (deterministic)."""
 import json
+import math
 
 import pytest
 import torch
@@ -54,15 +55,48 @@ def test_verify_steps_that_do_not_pay_turn_speculation_off_and_throughput_stays_
     assert policy.gauges()['lowbit_spec_gain{batch="9-16"}'][0] == pytest.approx(19 / VERIFY_MS / plain)
 
 
-def test_probes_come_after_doubling_back_offs():
-    policy = SpecPolicy()
-    _, verified = simulate(policy, 4, lambda step: 5, 600)
-    steps = [i for i, v in enumerate(verified) if v][pol.WARM + 1:]  # after the first verify steps
-    probes = [i for i in steps if i - 1 not in steps]  # where each probe starts (one step unmeasured, then PROBE)
+def probes_and_gaps(verified: list[bool]) -> tuple[list[int], list[int]]:
+    """Where each probe starts (one step unmeasured, then PROBE) after the first verify steps, and the plain steps
+    between probes."""
+    steps = [i for i, v in enumerate(verified) if v][pol.WARM + 1:]
+    probes = [i for i in steps if i - 1 not in steps]
     assert all(i + j in steps for i in probes for j in range(1 + pol.PROBE))
-    gaps = [b - a - 1 - pol.PROBE for a, b in zip(probes, probes[1:])]  # plain steps between probes
-    assert gaps[:3] == [2 * pol.MIN_BACKOFF, 4 * pol.MIN_BACKOFF, 8 * pol.MIN_BACKOFF]
+    return probes, [b - a - 1 - pol.PROBE for a, b in zip(probes, probes[1:])]
+
+
+def test_probes_come_after_doubling_back_offs():
+    """Batch 4, 12 tokens per verify step (0.96x plain): so small a loss that the first wait is the minimum
+    back-off; then it doubles up to the maximum."""
+    policy = SpecPolicy()
+    _, verified = simulate(policy, 4, lambda step: 12, 5000)
+    probes, gaps = probes_and_gaps(verified)
     assert probes[0] - 2 * (pol.WARM + 1) == pol.MIN_BACKOFF  # plain, then verify warm-up steps, then the wait
+    assert gaps[:6] == [2 * pol.MIN_BACKOFF, 4 * pol.MIN_BACKOFF, 8 * pol.MIN_BACKOFF, 16 * pol.MIN_BACKOFF,
+                        pol.MAX_BACKOFF, pol.MAX_BACKOFF]
+
+
+def test_a_costly_loss_waits_until_its_probes_cost_at_most_the_budget():
+    """Batch 4, 5 tokens per verify step: a probe of 1 + PROBE verify steps loses (1 - gain) of their time, so the
+    first wait is that loss over PROBE_BUDGET (in plain steps), then twice the wait before, then the maximum."""
+    policy = SpecPolicy()
+    _, verified = simulate(policy, 4, lambda step: 5, 5000)
+    gain = (5 / VERIFY_MS) / (4 / PLAIN_MS)
+    wait = math.ceil((1 + pol.PROBE) * VERIFY_MS / PLAIN_MS * (1 - gain) / pol.PROBE_BUDGET)
+    assert pol.MIN_BACKOFF < wait < pol.MAX_BACKOFF // 2
+    probes, gaps = probes_and_gaps(verified)
+    assert probes[0] - 2 * (pol.WARM + 1) == wait
+    assert gaps[:3] == [2 * wait, pol.MAX_BACKOFF, pol.MAX_BACKOFF]
+
+
+def test_a_larger_batch_above_a_losing_one_starts_off_and_probes_after_its_back_off():
+    """Chat at batch 4 loses, then the batch grows to 16: no verify step at 16 until the smaller bucket's back-off
+    has passed, then one probe; throughput there stays within PROBE_BUDGET (and a little) of plain."""
+    policy = SpecPolicy()
+    simulate(policy, 4, lambda step: 5, 200)
+    backoff = policy.buckets[bucket_of(4)].backoff
+    rate, verified = simulate(policy, 16, lambda step: 19, 3000)
+    assert not any(verified[:backoff]) and verified[backoff]
+    assert rate >= (0.99 - pol.PROBE_BUDGET) * 16 / PLAIN_MS
 
 
 def test_high_acceptance_keeps_speculating():
@@ -146,6 +180,7 @@ def test_greedy_outputs_equal_plain_decoding_while_the_policy_switches(overlap, 
     then 1.2 again (a probe turns it back on): outputs equal plain decoding's; each phase decided as its costs say.
     Back-offs from 8 steps (32 by default) keep the run short."""
     monkeypatch.setattr(pol, "MIN_BACKOFF", 8)
+    monkeypatch.setattr(pol, "PROBE_BUDGET", 1.0)  # waits of about a probe's loss (a 2 % budget: hundreds of steps)
     settings = dict(num_kv_blocks=700, max_num_tokens=64, overlap_steps=overlap)
     params = SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)
     plain = generate(long_engine(**settings), PROMPTS, params)

@@ -8,6 +8,7 @@
 #   bash dev/scripts/h200_wave2b.sh specreal  # lowbit bench spec on the real fp8 checkpoint, int4_awq drafting
 #   bash dev/scripts/h200_wave2b.sh specreal2 # n-gram on the real fp8 checkpoint: quote + chat, k = 8 (default), 4, 16
 #   bash dev/scripts/h200_wave2b.sh specoff   # the same at batch 1/4/16/64 with the measured auto-off policy
+#   bash dev/scripts/h200_wave2b.sh speccap   # batch 32 and 64 under the engine's default speculative_max_batch_size
 #   bash dev/scripts/h200_wave2b.sh spectests # the policy's tests and the verify-graph GPU tests
 #   bash dev/scripts/h200_wave2b.sh moediag   # the w8a8_sq (and fp8) Qwen3-MoE graphs check, with its numbers
 #   bash dev/scripts/h200_wave2b.sh interop   # W4 layouts (modelopt, compressed-tensors, GPTQ, AutoAWQ) batch-1 tok/s
@@ -51,14 +52,22 @@ specoff)
     lb 330 bench spec --model smollm2-135m-fp8 --batch1-only --tps-batch-sizes 1,4,16,64 \
         --json "$OUT/spec_off.jsonl" | grep -v '^{' | tail -40
     ;;
+speccap)  # the engine's own auto-off batch size (16) at batch 32 and 64
+    lb 200 bench spec --model smollm2-135m-fp8 --batch1-only --tps-batch-sizes 32,64 --speculative-max-batch-size 16 \
+        --json "$OUT/spec_cap.jsonl" | grep -v '^{' | tail -16
+    ;;
 spectests)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_spec_policy.py \
         tests/test_gpu_spec_verify_graphs.py 2>&1 | tail -5
     ;;
 moediag)  # the w8a8_sq Qwen3-MoE graphs check with its numbers (and fp8's beside it)
-    t=tests/test_dummy_qwen3_moe.py::test_qwen3_moe_kernels_and_graphs_match_reference_path_on_gpu
-    timeout 100 python3 -m pytest -q -p no:cacheprovider "$t[w8a8_sq]" "$t[fp8]" 2>&1 \
-        | grep -E "passed|failed|^E " | cut -c1-2500
+    timeout 120 python3 - <<'PY' 2>&1 | grep -v '^\[lowbit\]'
+import json
+from lowbit.bench import serve_bench as b
+for fmt in ("w8a8_sq", "fp8"):
+    r = b.check_format(b.parse(["--check-layers", "2", "--model", "qwen3-30b-a3b", "--phases", "check"]), fmt)
+    print(fmt, json.dumps({k: v for k, v in r.items() if not isinstance(v, list) or len(v) < 8}))
+PY
     ;;
 interop)
     lb 240 bench serve --model llama-3.1-8b --phases interop --max-batch-size 8 --json "$OUT/interop.json" \

@@ -53,6 +53,9 @@ def parse(argv):
     p.add_argument("--passage", type=int, default=128, help="tokens of the passage the workload's prompt repeats")
     p.add_argument("--output-len", type=int, default=256, help="greedy tokens generated per request")
     p.add_argument("--num-draft-tokens", type=int, help="k of the tokens/s runs (default: the engine's, by drafter)")
+    p.add_argument("--speculative-max-batch-size", type=int,
+                   help="the tokens/s runs' auto-off batch size (default: the largest --tps-batch-sizes, i.e. lifted; "
+                        "the engine's own default is EngineConfig's)")
     p.add_argument("--model", help="part 2 on this checkpoint (store name or directory) instead of dummy weights")
     p.add_argument("--draft-model", help="part 3: this checkpoint drafts for --model (same tokenizer)")
     p.add_argument("--batch1-only", "--no-verify-table", dest="batch1_only", action="store_true",
@@ -119,7 +122,7 @@ def real_engine(args, draft: bool = False) -> tuple[Engine, dict[str, list[list[
     open question (nothing to copy but what the answer repeats of itself)."""
     spec = dict(speculative="draft", draft_model=args.draft_model) if draft else dict(speculative="ngram")
     most = max(args.tps_batch_sizes)
-    cfg = EngineConfig(max_batch_size=most, speculative_max_batch_size=most, device=args.device,
+    cfg = EngineConfig(max_batch_size=most, speculative_max_batch_size=spec_cap(args), device=args.device,
                        num_draft_tokens=args.num_draft_tokens, **spec)
     engine = Engine(args.model, cfg)
     quote = [f"Request {i}. Passage: {PASSAGE}\nRepeat the passage word for word.\nPassage: {PASSAGE}\n"
@@ -276,7 +279,7 @@ def divergences(engine: Engine, prompts: list[list[int]], plain: list, others: l
         at = [i for i in at if i is not None]
         if at:
             firsts[r] = min(at)
-    engine.spec = None
+    decoder, engine.spec = engine.spec, None
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=2)
     ids = {f"gap{time.monotonic_ns()}-{r}": r for r in firsts}
     for rid, r in ids.items():
@@ -287,7 +290,12 @@ def divergences(engine: Engine, prompts: list[list[int]], plain: list, others: l
             if o.finished and o.request_id in ids:
                 top = o.outputs[0].logprobs[0][1]
                 gaps[ids[o.request_id]] = top[0][1] - top[1][1]
+    engine.spec = decoder
     return [(r, firsts[r], gaps[r]) for r in sorted(firsts)]
+
+
+def spec_cap(args) -> int:
+    return args.speculative_max_batch_size or max(args.tps_batch_sizes)
 
 
 def ngram_k(args) -> int:
@@ -299,8 +307,9 @@ def tps_runs(engine: Engine, prompts, args, drafter, name: str, emit, model: str
     """Part 2 / 3: plain vs speculative tokens/s at each --tps-batch-sizes (the auto-off lifted): speculating at every
     step (pausing sequences whose drafts miss: no policy), and with the policy (the engine's way), its first run
     (cold: it learns) and a second with what it learnt (warm); whether every output was identical."""
-    config = replace(engine.config, num_draft_tokens=k, speculative_max_batch_size=max(args.tps_batch_sizes))
-    print(f"tokens/s, {workload} prompts, greedy, {args.output_len} tokens each, {name} k={k}:")
+    config = replace(engine.config, num_draft_tokens=k, speculative_max_batch_size=spec_cap(args))
+    print(f"tokens/s, {workload} prompts, greedy, {args.output_len} tokens each, {name} k={k}, "
+          f"speculative_max_batch_size={spec_cap(args)}:")
     print("| batch | plain tok/s | no policy | x | policy, cold | x | policy, warm | x | acceptance | tokens/step | "
           "verify steps (warm) | identical | first difference (largest top-2 gap there) | plain = plain at the "
           "previous batch |")

@@ -33,7 +33,7 @@ OFFSET = 5  # tokens: request i's prompt is OFFSET * i longer (mod CHAT_PERIOD) 
 # and chat runs' plain tok/s; a verify step, the quote runs without pausing (every step verifies 8.72 tokens per
 # sequence). The verify cost did not grow with its tokens there (k = 4, 8, 16 and batch 4-16 alike, within the runs'
 # spread), so a step of any multi-token shape (verify or prefill) costs the verify figure.
-H200_STEP_MS = {"plain": {1: 0.73, 4: 1.00, 16: 1.07}, "verify": {1: 3.09, 4: 3.43, 16: 3.34}}
+H200_STEP_MS = {"plain": {1: 0.73, 4: 1.00, 16: 1.07, 64: 1.31}, "verify": {1: 3.09, 4: 3.43, 16: 3.34, 64: 17.7}}
 
 
 class ScriptedModel:

@@ -1,7 +1,10 @@
 """Whether speculating pays, per decode batch size: tokens per second of wall time of the decode steps run
 speculating (verify steps, and steps that drafted nothing) against those run plain, measured online per batch-size
 bucket (1, 2, 3-4, 5-8, ...); while it does not pay, decoding runs plain and re-probes speculation after a back-off
-that doubles each time a probe loses."""
+long enough that losing probes cost at most PROBE_BUDGET of the time, doubling each time a probe loses. A bucket seen
+for the first time above one where speculating lost starts off (a larger batch gains less from it: its verify steps
+cost more against its plain ones) and waits that bucket's back-off before its own probe."""
+import math
 from dataclasses import dataclass, field
 
 MARGIN = 1.05  # speculating steps must emit this many times the plain rate to keep speculating
@@ -9,6 +12,7 @@ ALPHA = 0.25  # weight of the newest step in the moving averages
 WARM = 2  # steps of each mode a bucket measures before it decides (after one not measured)
 PROBE = 2  # speculating steps a probe measures, after one it does not (afresh: the workload may have changed)
 MIN_BACKOFF, MAX_BACKOFF = 32, 1024  # plain steps before the next probe; doubles while probes keep losing
+PROBE_BUDGET = 0.02  # the most a losing probe may cost, as a share of the plain steps it waits
 STALL = 10.0  # a step this many times its mode's mean time is a stall (a compile, GC, swap): not measured
 
 
@@ -54,6 +58,19 @@ class Bucket:
         """Speculating steps' tokens/s over plain steps' (0: not measured yet)."""
         return self.spec.per_second / self.plain.per_second if self.plain.n and self.spec.n else 0.0
 
+    @property
+    def lost(self) -> bool:
+        """The last decision found that speculating does not pay here."""
+        return not self.on and not self.probing
+
+    def probe_wait(self) -> int:
+        """Plain steps to run before the next probe: the back-off, or more where a probe (1 + PROBE speculating
+        steps) loses more than PROBE_BUDGET of that many plain steps' time; a speculating step loses (1 - gain) of
+        its own time, which is spec.seconds / plain.seconds plain steps."""
+        steps = self.spec.seconds / self.plain.seconds if self.plain.seconds > 0 else 1.0
+        loss = (1 + PROBE) * steps * max(0.0, 1.0 - self.gain)  # in plain steps
+        return min(MAX_BACKOFF, max(self.backoff, math.ceil(loss / PROBE_BUDGET)))
+
 
 def bucket_of(batch_size: int) -> int:
     """0 for 1, 1 for 2, 2 for 3-4, 3 for 5-8, ...: batch sizes whose steps cost about the same."""
@@ -74,12 +91,23 @@ class SpecPolicy:
     def speculate(self, batch_size: int) -> bool:
         """Plain until the bucket has WARM plain steps measured, then WARM speculating steps; then speculating while
         it pays, else plain with a probe (PROBE speculating steps) after `backoff` plain steps."""
-        return self.buckets.setdefault(bucket_of(batch_size), Bucket()).speculating
+        index = bucket_of(batch_size)
+        if index not in self.buckets:
+            self.buckets[index] = self._new_bucket(index)
+        return self.buckets[index].speculating
+
+    def _new_bucket(self, index: int) -> Bucket:
+        """Off, waiting the nearest smaller bucket's back-off, when speculating lost there; else to be measured."""
+        below = [b for i, b in sorted(self.buckets.items()) if i < index]
+        if not below or not below[-1].lost:
+            return Bucket()
+        return Bucket(probing=0, wait=below[-1].backoff, backoff=below[-1].backoff)
 
     def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
         """A pure-decode step ran, speculating (as `speculate` said) or plain; it emitted tokens in seconds of wall
         time (on the GPU a plain step's tokens arrive with the next step: step-to-step time, the same count)."""
-        b = self.buckets.setdefault(bucket_of(batch_size), Bucket())
+        index = bucket_of(batch_size)
+        b = self.buckets.get(index) or self.buckets.setdefault(index, self._new_bucket(index))
         if not speculated:
             b.plain.add(tokens, seconds)
             if not b.on and not b.probing:
@@ -96,7 +124,8 @@ class SpecPolicy:
         if b.spec.per_second > MARGIN * b.plain.per_second:
             b.on, b.backoff = True, MIN_BACKOFF
         else:
-            b.on, b.wait, b.backoff = False, b.backoff, min(MAX_BACKOFF, 2 * b.backoff)
+            b.on, b.wait = False, b.probe_wait()
+            b.backoff = min(MAX_BACKOFF, 2 * b.wait)
 
     def gauges(self) -> dict[str, tuple[float, str]]:
         out = {}
