@@ -3,7 +3,9 @@ speculating (verify steps, and steps that drafted nothing) against those run pla
 bucket (1, 2, 3-4, 5-8, ...); while it does not pay, decoding runs plain and re-probes speculation after a back-off
 long enough that losing probes cost at most PROBE_BUDGET of the time, doubling each time a probe loses. A bucket seen
 for the first time above one where speculating lost starts off (a larger batch gains less from it: its verify steps
-cost more against its plain ones) and waits that bucket's back-off before its own probe."""
+cost more against its plain ones) and waits that bucket's back-off before its own probe. While speculating wins,
+plain steps are re-measured after stretches of speculating steps that double, so a stale plain rate cannot keep it
+on."""
 import math
 from dataclasses import dataclass, field
 
@@ -48,10 +50,13 @@ class Bucket:
     probing: int = WARM  # measured speculating steps to run before the next decision
     wait: int = 0  # plain steps left before the next probe (while off)
     backoff: int = field(default_factory=lambda: MIN_BACKOFF)
+    recheck: int = field(default_factory=lambda: MIN_BACKOFF)  # speculating steps left before plain is re-measured
+    recheck_every: int = field(default_factory=lambda: MIN_BACKOFF)  # doubles while speculating keeps winning
+    checking: int = 0  # plain steps left in a re-measure (while on)
 
     @property
     def speculating(self) -> bool:
-        return self.plain.n >= WARM and (self.probing > 0 or self.on)
+        return self.plain.n >= WARM and not self.checking and (self.probing > 0 or self.on)
 
     @property
     def gain(self) -> float:
@@ -110,7 +115,11 @@ class SpecPolicy:
         b = self.buckets.get(index) or self.buckets.setdefault(index, self._new_bucket(index))
         if not speculated:
             b.plain.add(tokens, seconds)
-            if not b.on and not b.probing:
+            if b.checking:
+                b.checking -= 1
+                if not b.checking:
+                    self._decide(b)
+            elif not b.on and not b.probing:
                 b.wait -= 1
                 if b.wait <= 0:  # probe: measure afresh, from the second step (the first waits for the plain
                     b.probing, b.spec = PROBE, Rate(skip=1)  # step in flight; a draft model catches up)
@@ -121,7 +130,20 @@ class SpecPolicy:
         b.probing = max(0, b.probing - 1)
         if b.probing or b.plain.n < WARM:
             return
+        if b.on:
+            b.recheck -= 1
+            if b.recheck <= 0:  # the plain rate, measured afresh: the load or the step costs may have changed
+                b.checking, b.plain = 1 + PROBE, Rate(skip=1)
+                return
+        self._decide(b)
+
+    @staticmethod
+    def _decide(b: Bucket) -> None:
+        """Speculate on while it beats plain by MARGIN (re-measuring plain after doubling stretches), else off."""
         if b.spec.per_second > MARGIN * b.plain.per_second:
+            if not b.on or not b.recheck:
+                b.recheck_every = MIN_BACKOFF if not b.on else min(MAX_BACKOFF, 2 * b.recheck_every)
+                b.recheck = b.recheck_every
             b.on, b.backoff = True, MIN_BACKOFF
         else:
             b.on, b.wait = False, b.probe_wait()
