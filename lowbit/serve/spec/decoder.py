@@ -23,7 +23,7 @@ class SpecDecoder:
         (`policy.SpecPolicy`); False: every step that `applies` verifies (benchmarks, tests of the verify path).
         clock: seconds, what the policy times steps with."""
         self.drafter = drafter
-        self.policy = SpecPolicy() if adaptive else None
+        self.policy = SpecPolicy(config.num_draft_tokens) if adaptive else None
         self.clock = clock
         self.emitted: int | None = None  # tokens the last step emitted as a verify step (None: it ran plain)
         self.on = False  # the policy let the last step speculate (it verified if a sequence had a draft)
@@ -59,7 +59,7 @@ class SpecDecoder:
         self.recent.append(self.emitted is not None)
         if self.policy is not None and batch_size <= self.max_batch_size and (self.on or steady):
             tokens = self.emitted if self.emitted is not None else batch_size
-            self.policy.record(batch_size, self.on, tokens, self.clock() - started)
+            self.policy.record(batch_size, self.on, tokens, self.clock() - started, self.emitted is not None)
 
     def _drafting(self, seq: Sequence) -> bool:
         pause = self.pauses.get(seq.seq_id)

@@ -1,12 +1,11 @@
 """Whether speculating pays, per decode batch size: tokens per second of wall time of the decode steps run
 speculating (verify steps, and steps that drafted nothing) against those run plain, measured online per batch-size
 bucket (1, 2, 3-4, 5-8, ...); while it does not pay, decoding runs plain and re-probes speculation after a back-off
-long enough that losing probes cost at most PROBE_BUDGET of the time, doubling each time a probe loses. A bucket seen
-for the first time above one where speculating lost starts off (a larger batch gains less from it: its verify steps
-cost more against its plain ones) and waits that bucket's back-off before its own probe. While speculating wins,
-plain steps are re-measured after stretches of speculating steps that double, so a stale plain rate cannot keep it
-on."""
-import math
+that doubles each time a probe loses, or after the longest back-off where the verify step alone costs more than the
+k + 1 plain steps whose tokens it could emit at best (then no workload can make it pay). A bucket seen for the first
+time above one where speculating lost starts off (a larger batch gains less from it: its verify steps cost more
+against its plain ones) and waits that bucket's back-off before its own probe. While speculating wins, plain steps
+are re-measured after stretches of speculating steps that double, so a stale plain rate cannot keep it on."""
 from dataclasses import dataclass, field
 
 MARGIN = 1.05  # speculating steps must emit this many times the plain rate to keep speculating
@@ -14,7 +13,6 @@ ALPHA = 0.25  # weight of the newest step in the moving averages
 WARM = 2  # steps of each mode a bucket measures before it decides (after one not measured)
 PROBE = 2  # speculating steps a probe measures, after one it does not (afresh: the workload may have changed)
 MIN_BACKOFF, MAX_BACKOFF = 32, 1024  # plain steps before the next probe; doubles while probes keep losing
-PROBE_BUDGET = 0.02  # the most a losing probe may cost, as a share of the plain steps it waits
 STALL = 10.0  # a step this many times its mode's mean time is a stall (a compile, GC, swap): not measured
 
 
@@ -46,6 +44,7 @@ class Rate:
 class Bucket:
     plain: Rate = field(default_factory=lambda: Rate(skip=1))
     spec: Rate = field(default_factory=lambda: Rate(skip=1))
+    verify: Rate = field(default_factory=lambda: Rate(skip=1))  # the speculating steps that verified drafts
     on: bool = False  # speculating: the last decision found that it pays
     probing: int = WARM  # measured speculating steps to run before the next decision
     wait: int = 0  # plain steps left before the next probe (while off)
@@ -68,13 +67,12 @@ class Bucket:
         """The last decision found that speculating does not pay here."""
         return not self.on and not self.probing
 
-    def probe_wait(self) -> int:
-        """Plain steps to run before the next probe: the back-off, or more where a probe (1 + PROBE speculating
-        steps) loses more than PROBE_BUDGET of that many plain steps' time; a speculating step loses (1 - gain) of
-        its own time, which is spec.seconds / plain.seconds plain steps."""
-        steps = self.spec.seconds / self.plain.seconds if self.plain.seconds > 0 else 1.0
-        loss = (1 + PROBE) * steps * max(0.0, 1.0 - self.gain)  # in plain steps
-        return min(MAX_BACKOFF, max(self.backoff, math.ceil(loss / PROBE_BUDGET)))
+    def probe_wait(self, num_draft_tokens: int) -> int:
+        """Plain steps to run before the next probe: the back-off; the longest where a verify step costs more than
+        the k + 1 plain steps whose tokens it emits when every draft is accepted."""
+        if self.verify.n and (num_draft_tokens + 1) * self.plain.seconds < MARGIN * self.verify.seconds:
+            return MAX_BACKOFF
+        return self.backoff
 
 
 def bucket_of(batch_size: int) -> int:
@@ -90,7 +88,8 @@ def bucket_label(index: int) -> str:
 class SpecPolicy:
     """`speculate(b)` before a pure-decode step of b sequences, `record(b, speculated, tokens, seconds)` after it."""
 
-    def __init__(self):
+    def __init__(self, num_draft_tokens: int):
+        self.k = num_draft_tokens  # the most tokens a sequence drafts per step
         self.buckets: dict[int, Bucket] = {}
 
     def speculate(self, batch_size: int) -> bool:
@@ -108,9 +107,10 @@ class SpecPolicy:
             return Bucket()
         return Bucket(probing=0, wait=below[-1].backoff, backoff=below[-1].backoff)
 
-    def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """A pure-decode step ran, speculating (as `speculate` said) or plain; it emitted tokens in seconds of wall
-        time (on the GPU a plain step's tokens arrive with the next step: step-to-step time, the same count)."""
+    def record(self, batch_size: int, speculated: bool, tokens: int, seconds: float, verified: bool = False) -> None:
+        """A pure-decode step ran, speculating (as `speculate` said; verified: it had drafts to verify) or plain; it
+        emitted tokens in seconds of wall time (on the GPU a plain step's tokens arrive with the next step:
+        step-to-step time, the same count)."""
         index = bucket_of(batch_size)
         b = self.buckets.get(index) or self.buckets.setdefault(index, self._new_bucket(index))
         if not speculated:
@@ -125,6 +125,8 @@ class SpecPolicy:
                     b.probing, b.spec = PROBE, Rate(skip=1)  # step in flight; a draft model catches up)
             return
         b.spec.add(tokens, seconds)
+        if verified:
+            b.verify.add(tokens, seconds)
         if not b.spec.n:  # not measured
             return
         b.probing = max(0, b.probing - 1)
@@ -137,8 +139,7 @@ class SpecPolicy:
                 return
         self._decide(b)
 
-    @staticmethod
-    def _decide(b: Bucket) -> None:
+    def _decide(self, b: Bucket) -> None:
         """Speculate on while it beats plain by MARGIN (re-measuring plain after doubling stretches), else off."""
         if b.spec.per_second > MARGIN * b.plain.per_second:
             if not b.on or not b.recheck:
@@ -146,8 +147,8 @@ class SpecPolicy:
                 b.recheck = b.recheck_every
             b.on, b.backoff = True, MIN_BACKOFF
         else:
-            b.on, b.wait = False, b.probe_wait()
-            b.backoff = min(MAX_BACKOFF, 2 * b.wait)
+            b.on, b.wait = False, b.probe_wait(self.k)
+            b.backoff = min(MAX_BACKOFF, 2 * b.backoff)
 
     def gauges(self) -> dict[str, tuple[float, str]]:
         out = {}
