@@ -44,7 +44,7 @@ def both():
     from modelopt.torch.quantization.model_calib import awq_clip
 
     from lowbit.calibrate.awq_clip import awq_clip_search
-    from lowbit.calibrate.gptq import share_pre_quant_scales
+    from lowbit.calibrate.resmooth import share_pre_quant_scales
     from lowbit.calibrate.loop import forward_loop
 
     data = batches()
@@ -74,7 +74,7 @@ def test_awq_full_keeps_its_clips_through_exports_resmoothing():
     """awq_full = AWQ-lite, export's re-smoothing, clip search: the re-smoothing export runs again finds nothing to
     change, so the checkpoint holds the searched clips (modelopt's own order re-calibrates q/k/v and gate/up to
     their max and loses them), and some groups are clipped below their max."""
-    from lowbit.calibrate.gptq import share_pre_quant_scales
+    from lowbit.calibrate.resmooth import share_pre_quant_scales
 
     model = calibrate(tiny_llama(), awq_recipe(), batches())
     before = amaxes(model)

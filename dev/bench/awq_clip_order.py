@@ -10,7 +10,7 @@ from lowbit import models
 from lowbit.bench.accuracy import heldout, perplexity
 from lowbit.calibrate.awq_clip import awq_clip_search
 from lowbit.calibrate.data import builtin_texts, token_batches
-from lowbit.calibrate.gptq import share_pre_quant_scales
+from lowbit.calibrate.resmooth import share_pre_quant_scales
 from lowbit.calibrate.loop import calibrate, forward_loop
 from lowbit.quantize.api import load_float_model
 from lowbit.recipe import load_recipe

@@ -126,7 +126,7 @@ for g in groups:
 print(f"grouped AWQ scales {time.time() - t0:.0f} s; alphas {picked}", flush=True)
 print(f"grouped AWQ, max amax: ppl {perplexity(model, seqs)}", flush=True)
 t0 = time.time()
-from lowbit.calibrate.gptq import share_pre_quant_scales
+from lowbit.calibrate.resmooth import share_pre_quant_scales
 
 share_pre_quant_scales(model)
 print(f"after export's re-smoothing (a no-op expected): ppl {perplexity(model, seqs)}", flush=True)

@@ -111,6 +111,7 @@ def gptq_round(model: nn.Module, forward_loop, damp: float = 0.01, block: int = 
                static_groups: bool = False) -> None:
     """Replace every calibrated int4 group weight by its GPTQ rounding and its amax by the scales the rounding
     used, in place. Hessians come from one pass of `forward_loop(model)` with the calibrated fake quantizers on."""
+    from lowbit.calibrate.resmooth import share_pre_quant_scales
     from lowbit.progress import Progress
 
     share_pre_quant_scales(model)
@@ -128,17 +129,3 @@ def gptq_round(model: nn.Module, forward_loop, damp: float = 0.01, block: int = 
             m.weight.data.copy_(w.to(m.weight.dtype))
             m.weight_quantizer.amax = (scale * INT4_MAX).reshape(m.weight_quantizer.amax.shape)
             bar.update()
-
-
-def share_pre_quant_scales(model: nn.Module) -> None:
-    """Linears that share an input (q/k/v, gate/up) get one pre_quant_scale, as export would give them; export's
-    re-smoothing rescales weights and recalibrates their amax, which would move them off the rounded grid. Only
-    AWQ and SmoothQuant leave pre_quant_scales; a model without any is left alone."""
-    if not any(getattr(getattr(m, "input_quantizer", None), "pre_quant_scale", None) is not None
-               for m in model.modules()):
-        return
-    from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
-
-    if not getattr(model.config, "architectures", None):  # modelopt reads it (as export.py sets it)
-        model.config.architectures = [type(model).__name__]
-    requantize_resmooth_fused_llm_layers(model)

@@ -75,7 +75,7 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
                                                     later_passes=f"{recipe.algorithm} pass"))
         if own_clip:
             from lowbit.calibrate.awq_clip import awq_clip_search
-            from lowbit.calibrate.gptq import share_pre_quant_scales
+            from lowbit.calibrate.resmooth import share_pre_quant_scales
 
             # export gives linears that share an input one pre_quant_scale and max-calibrates each weight it
             # rescales: done first, so the clips are searched on the weights the checkpoint holds
