@@ -7,6 +7,7 @@ import torch
 pytest.importorskip("triton")
 
 from lowbit.formats.w4a16_nvfp4 import W4A16_NVFP4  # noqa: E402
+from lowbit.kernels import tuning  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.kernels.moe.fused_moe import fused_moe_ref, fused_moe_triton  # noqa: E402
 from lowbit.kernels.moe.nvfp4 import Nvfp4Scales, grouped_gemm_nvfp4  # noqa: E402
@@ -74,6 +75,19 @@ def test_nvfp4_triton_matches_reference(path, dtype, t, hidden, inter):
     out = fused_moe_triton(x, w13, w2, ids, weights, nvfp4=scales, path=path)
     ref = fused_moe_ref(x, w13, w2, ids, weights, nvfp4=scales)
     assert out.dtype == dtype and close(out, ref, dtype)
+
+
+@interpreter_only
+@pytest.mark.parametrize("config", [(16, 32, 4, 2), (64, 64, 2, 3), (8, 16, 4, 1)])
+def test_nvfp4_gemv_tiles_and_split_k_match_reference(config):
+    """The per-pair GEMV under other tiles of Tuning.moe_gemv_config["nvfp4"]: K steps of 32 and 64 elements split
+    over 2 and 3 programs (144 = 64 + 64 + 16: a partial last step), and a BLOCK_K below 32 raised to 32."""
+    x, w13, w2, ids, weights, scales, _ = nvfp4_problem(3, 144, 48, 5, 2, torch.float32, seed=3)
+    ref = fused_moe_ref(x, w13, w2, ids, weights, nvfp4=scales)
+    table = {**tuning.current().moe_gemv_config, "nvfp4": config}
+    with tuning.override(moe_gemv_config=tuning.frozen(table)):
+        out = fused_moe_triton(x, w13, w2, ids, weights, nvfp4=scales, path="moe_gemv")
+    assert close(out, ref, torch.float32)
 
 
 @interpreter_only

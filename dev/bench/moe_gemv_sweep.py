@@ -1,9 +1,10 @@
 """The fused MoE's decode GEMV (lowbit.kernels.moe.gemv) over tile variants at Qwen3-30B-A3B's expert shapes (hidden
 2048, moe_intermediate 768, 128 experts, top-8): bf16, fp8 (per-tensor, each expert its own input scale), int8
-(W8A8 SmoothQuant, each expert its own smoothing and input scale) and int4 (W4A16 AWQ, group 128) experts at 1, 2, 4
-and 8 tokens.
+(W8A8 SmoothQuant, each expert its own smoothing and input scale), int4 (W4A16 AWQ, group 128) and nvfp4 (weight-only,
+e2m1 with e4m3 scales per 16) experts at 1, 2, 4 and 8 tokens.
 
-    python3 dev/bench/moe_gemv_sweep.py [--formats bf16 fp8 int8 int4] [--tokens 1 2 4 8] [--variants "BN,BK,W,S;..."]
+    python3 dev/bench/moe_gemv_sweep.py [--formats bf16 fp8 int8 int4 nvfp4] [--tokens 1 2 4 8]
+                                        [--variants "BN,BK,W,S;..."]
     TRITON_INTERPRET=1 python3 dev/bench/moe_gemv_sweep.py --tiny     # CPU: tiny shapes, fp16, checks only
 
 A variant is Tuning.moe_gemv_config's tuple (BLOCK_N, BLOCK_K, num_warps, K splits). Each (format, tokens, variant):
@@ -30,12 +31,14 @@ from lowbit.kernels import tuning  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.kernels.moe.fused_moe import Fp8Scales, Int4Scales, Int8Scales, fused_moe_ref, fused_moe_triton  # noqa
 from lowbit.kernels.moe.gemv import int4_block_k  # noqa: E402
+from lowbit.kernels.moe.nvfp4 import Nvfp4Scales  # noqa: E402
 
 FULL = dict(hidden=2048, inter=768, experts=128, top_k=8, group=128)
 TINY = dict(hidden=128, inter=128, experts=4, top_k=2, group=128)
-KIND = {"bf16": "dense", "fp8": "fp8", "int8": "int8", "int4": "int4"}
+KIND = {"bf16": "dense", "fp8": "fp8", "int8": "int8", "int4": "int4", "nvfp4": "nvfp4"}
 ALGO = {"fp8": formats.FP8, "int8": formats.W8A8_SQ_PER_CHANNEL, "int4": formats.W4A16_AWQ}
-BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 4 / 128}  # int4: an fp32 scale per group
+# int4: an fp32 scale per group of 128; nvfp4: an e4m3 scale per 16 (and an fp32 global scale per row, not counted)
+BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 4 / 128, "nvfp4": 0.5 + 1 / 16}
 CALLS = 8  # layer calls per graph replay, each on its own routing (--tiny: 2)
 REL_TOL = 2e-2  # bf16 / fp16: each GEMV and the activation round once; relative to the output's largest magnitude
 # the interpreter's fp32 -> fp8 cast is wrong on a few % of values: there fp8 is compared by norm, as
@@ -56,6 +59,8 @@ def experts(fmt: str, s: dict, device, gen) -> tuple:
     w2 = torch.randn(n, h, i, device=device, generator=gen) / i ** 0.5
     if fmt == "bf16":
         return w13.to(dtype), w2.to(dtype), {}
+    if fmt == "nvfp4":
+        return nvfp4_experts(w13, w2, s)
     f, parts = ALGO[fmt], []
     for e in range(n):
         spread = e / max(n - 1, 1)
@@ -76,6 +81,21 @@ def experts(fmt: str, s: dict, device, gen) -> tuple:
         scales = Int4Scales(stack(0, "weight_scale").reshape(n, 2 * i, -1), stack(0, "pre_quant_scale"),
                             stack(1, "weight_scale").reshape(n, h, -1), stack(1, "pre_quant_scale"))
     return *weights, {fmt: scales}
+
+
+def nvfp4_experts(w13: torch.Tensor, w2: torch.Tensor, s: dict) -> tuple:
+    """NVFP4 experts (weight-only): gate, up and down of each expert quantized by W4A16_NVFP4 on their own (gate's
+    and up's global scales differ), stacked as the loader stacks them."""
+    f, i = formats.W4A16_NVFP4, s["inter"]
+    parts = [(f.quantize(w13[e, :i]), f.quantize(w13[e, i:]), f.quantize(w2[e])) for e in range(s["experts"])]
+    rows = lambda p: p["weight_scale_2"].float().reshape(1).expand(p["weight"].shape[0])  # noqa: E731
+    scales = Nvfp4Scales(
+        w13_block=torch.stack([torch.cat([g["weight_scale"], u["weight_scale"]]) for g, u, _ in parts]),
+        w13_global=torch.stack([torch.cat([rows(g), rows(u)]) for g, u, _ in parts]),
+        w2_block=torch.stack([d["weight_scale"] for _, _, d in parts]),
+        w2_global=torch.stack([rows(d) for _, _, d in parts]))
+    w13q = torch.stack([torch.cat([g["weight"], u["weight"]]) for g, u, _ in parts])
+    return w13q, torch.stack([d["weight"] for _, _, d in parts]), {"nvfp4": scales}
 
 
 def routings(t: int, s: dict, x_dtype, device, gen) -> list:

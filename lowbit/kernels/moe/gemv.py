@@ -28,15 +28,15 @@ def token_scales(a: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_config(kind: str, config: tuple | None = None) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, split) for experts of `kind` ("dense", "fp8", "int8", "int4"): config, else
-    the Tuning in force."""
+    """(BLOCK_N, BLOCK_K, num_warps, split) for experts of `kind` ("dense", "fp8", "int8", "int4", "nvfp4"): config,
+    else the Tuning in force."""
     block_n, block_k, warps, split = config or tuning.current().moe_gemv_config[kind]
     if min(block_n, block_k, warps, split) < 1:
         raise ValueError(f"moe gemv config {(block_n, block_k, warps, split)}: every value must be positive")
     return block_n, block_k, warps, split
 
 
-def _launch(kernel_fn, args: tuple, num_pairs: int, n: int, kdim: int, dtype, device, config, **meta):
+def launch_gemv(kernel_fn, args: tuple, num_pairs: int, n: int, kdim: int, dtype, device, config, **meta):
     """Runs kernel_fn over (pairs, column blocks, splits); -> [num_pairs, n] in dtype. The kernel stores its
     program's rows at out + split * split_stride + pair * n + col (fp32 partials when split > 1)."""
     block_n, block_k, warps, split = config
@@ -59,7 +59,7 @@ def expert_gemv(a, w, ids, a_row_div: int, w_scale=None, a_scale=None, config=No
         a_scale = token_scales(a)
     w_scale, a_scale = (w_scale.float().contiguous(), a_scale.float().contiguous()) if fp8 else (w, w)
     args = (a, w, ids.reshape(-1).contiguous(), w_scale, a_scale, a.stride(0), w.stride(0), w.stride(1))
-    return _launch(_gemv_kernel, args, num_pairs, n, kdim, a.dtype, a.device,
+    return launch_gemv(_gemv_kernel, args, num_pairs, n, kdim, a.dtype, a.device,
                    gemv_config("fp8" if fp8 else "dense", config), A_ROW_DIV=a_row_div, FP8=fp8,
                    PER_TOKEN=per_token)
 
@@ -68,7 +68,7 @@ def expert_gemv_int8(a, w, w_scale, a_scale, smooth, ids, a_row_div: int, config
     """INT8 experts: w int8 [E, N, K], w_scale [E, N], a_scale [E], smooth [E, K] (moe/int8.py's layout)."""
     w_scale, a_scale, smooth = check_int8(a, w, w_scale, a_scale, smooth, "expert_gemv_int8")
     args = (a, w, ids.reshape(-1).contiguous(), w_scale, a_scale, smooth, a.stride(0))
-    return _launch(_gemv_int8_kernel, args, ids.numel(), w.shape[1], w.shape[2], a.dtype, a.device,
+    return launch_gemv(_gemv_int8_kernel, args, ids.numel(), w.shape[1], w.shape[2], a.dtype, a.device,
                    gemv_config("int8", config), A_ROW_DIV=a_row_div)
 
 
@@ -88,7 +88,7 @@ def expert_gemv_int4(a, w, scale, smooth, ids, a_row_div: int, config=None) -> t
     block_n, block_k, warps, split = gemv_config("int4", config)
     scale, smooth, w = scale.float().contiguous(), smooth.float().contiguous(), w.contiguous()
     args = (a, w, scale, smooth, ids.reshape(-1).contiguous(), a.stride(0))
-    return _launch(_gemv_int4_kernel, args, ids.numel(), 2 * half, kdim, a.dtype, a.device,
+    return launch_gemv(_gemv_int4_kernel, args, ids.numel(), 2 * half, kdim, a.dtype, a.device,
                    (max(block_n, 2), int4_block_k(group, block_k), warps, split), A_ROW_DIV=a_row_div, GROUP=group)
 
 

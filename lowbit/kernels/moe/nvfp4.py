@@ -16,11 +16,10 @@ import torch
 from lowbit.formats.w4a16_nvfp4 import W4A16_NVFP4
 from lowbit.kernels._triton import cdiv, helper, kernel, tl, wait_for_producers
 from lowbit.kernels.moe.align import block_rows
+from lowbit.kernels.moe.gemv import gemv_config, launch_gemv
 
 BLOCK_N = 64  # output columns per grouped-GEMM program
 BLOCK_K = 64  # K step of the grouped GEMM (four scale blocks; two dots of BLOCK_K / 2)
-GEMV_BLOCK_N = 32
-GEMV_BLOCK_K = 128
 
 
 class Nvfp4Scales(NamedTuple):
@@ -70,18 +69,17 @@ def grouped_gemm_nvfp4(a, w, block, glob, sorted_ids, block_expert, num_pairs: i
     return out
 
 
-def expert_gemv_nvfp4(a, w, block, glob, ids, a_row_div: int) -> torch.Tensor:
-    """out[i] = a[i // a_row_div] @ dequant(w[ids[i]])^T, one program per pair and GEMV_BLOCK_N columns (moe.gemv's
-    contract, NVFP4 weights)."""
+def expert_gemv_nvfp4(a, w, block, glob, ids, a_row_div: int, config=None) -> torch.Tensor:
+    """out[i] = a[i // a_row_div] @ dequant(w[ids[i]])^T per pair, BLOCK_N columns and a K range per program
+    (moe.gemv's contract and tiles, NVFP4 weights; BLOCK_K is rounded up to a multiple of 32: whole scale blocks,
+    two elements per byte)."""
     if a.stride(-1) != 1:
         raise ValueError("expert_gemv_nvfp4: a needs unit stride along K")
     w, block, glob = _args(w, block, glob)
-    num_pairs, n, kdim = ids.numel(), w.shape[1], 2 * w.shape[2]
-    out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
-    _gemv_nvfp4_kernel[(num_pairs, cdiv(n, GEMV_BLOCK_N))](a, w, block, glob, ids.reshape(-1).contiguous(), out, n,
-                                                           kdim, a.stride(0), out.stride(0), A_ROW_DIV=a_row_div,
-                                                           BLOCK_N=GEMV_BLOCK_N, BLOCK_K=GEMV_BLOCK_K)
-    return out
+    block_n, block_k, warps, split = gemv_config("nvfp4", config)
+    return launch_gemv(_gemv_nvfp4_kernel, (a, w, block, glob, ids.reshape(-1).contiguous(), a.stride(0)),
+                       ids.numel(), w.shape[1], 2 * w.shape[2], a.dtype, a.device,
+                       (block_n, max(32, block_k), warps, split), A_ROW_DIV=a_row_div)
 
 
 @helper
@@ -155,10 +153,10 @@ def _grouped_nvfp4_kernel(a_ptr, w_ptr, bs_ptr, g_ptr, out_ptr, sorted_ptr, bloc
 
 
 @kernel
-def _gemv_nvfp4_kernel(a_ptr, w_ptr, bs_ptr, g_ptr, ids_ptr, out_ptr, N, K, stride_am, stride_om,
+def _gemv_nvfp4_kernel(a_ptr, w_ptr, bs_ptr, g_ptr, ids_ptr, stride_am, out_ptr, N, K, K_SPLIT, stride_os,
                        A_ROW_DIV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     HALF_K: tl.constexpr = BLOCK_K // 2
-    pair = tl.program_id(0)
+    pair, split = tl.program_id(0), tl.program_id(2)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     wait_for_producers(PDL)
@@ -167,7 +165,8 @@ def _gemv_nvfp4_kernel(a_ptr, w_ptr, bs_ptr, g_ptr, ids_ptr, out_ptr, N, K, stri
     w_rows = w_ptr + expert * N * (K // 2) + cols[:, None].to(tl.int64) * (K // 2)  # [BLOCK_N, 1]
     s_rows = bs_ptr + expert * N * (K // 16) + cols[:, None].to(tl.int64) * (K // 16)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = split * K_SPLIT
+    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
         kb = k0 // 2 + tl.arange(0, HALF_K)  # byte columns: elements 2 kb and 2 kb + 1
         kb_ok = kb < K // 2
         a0 = tl.load(a_row + 2 * kb, mask=kb_ok, other=0.0).to(tl.float32)
@@ -175,4 +174,5 @@ def _gemv_nvfp4_kernel(a_ptr, w_ptr, bs_ptr, g_ptr, ids_ptr, out_ptr, N, K, stri
         b0, b1 = nvfp4_pairs(w_rows, s_rows, kb[None, :], kb_ok[None, :] & col_ok[:, None])  # [BLOCK_N, HALF_K]
         acc += tl.sum(b0 * a0[None, :] + b1 * a1[None, :], axis=1)
     acc = acc * tl.load(g_ptr + expert * N + cols, mask=col_ok, other=0.0)
-    tl.store(out_ptr + pair.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    out = out_ptr + split.to(tl.int64) * stride_os + pair.to(tl.int64) * N + cols
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
