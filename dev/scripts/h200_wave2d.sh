@@ -13,8 +13,9 @@ timeout 200 python3 dev/bench/moe_gemv_sweep.py --formats nvfp4 --variants \
     2>&1 | tee "$OUT/nvfp4_sweep.log" | grep -E "^#|FAIL"
 best=$(grep -oE "moe_gemv_config\['nvfp4'\] = \([0-9, ]+\)" "$OUT/nvfp4_sweep.log" | grep -oE "\([0-9, ]+\)")
 [ -n "$best" ] || { echo "no winner"; exit 1; }
-sed -i "s/\"nvfp4\": ([0-9, ]*)}),/\"nvfp4\": $best}),/" lowbit/kernels/tuning/sm90.py
-grep -n '"nvfp4": (' lowbit/kernels/tuning/sm90.py | grep -v w4
+sed -i "/^ *\"int4\": ([0-9]*, [0-9]*, [0-9]*, [0-9]*), \"nvfp4\"/s/\"nvfp4\": ([0-9, ]*)/\"nvfp4\": $best/" \
+    lowbit/kernels/tuning/sm90.py
+grep -n '^ *"int4": (' lowbit/kernels/tuning/sm90.py
 echo "=== tests $(date -u +%H:%M:%S)"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_moe_gpu.py tests/test_dummy_qwen3_moe.py \
     -k "nvfp4 and gpu" 2>&1 | tail -3
