@@ -47,9 +47,10 @@ SM90 = Tuning(
     moe_gemv_max_pairs=frozen({"dense": 512, "fp8": 512, "int8": 512, "int4": 128, "nvfp4": 128}),
     # the per-pair GEMV's tiles: (BLOCK_N, BLOCK_K, warps, K splits) with the least time summed over 1, 2, 4 and 8
     # tokens (`python3 dev/bench/moe_gemv_sweep.py`; us at 1 token, new / old tiles: bf16 31 / 48,
-    # fp8 23 / 33, int8 31 / 30 (faster from 4 tokens), int4 unchanged); INT4's BLOCK_K is cut to divide the group
+    # fp8 23 / 33, int8 31 / 30 (faster from 4 tokens), int4 unchanged, nvfp4 57 / 71 (1.24-1.40x at 1-8 tokens));
+    # INT4's BLOCK_K is cut to divide the group
     moe_gemv_config=frozen({"dense": (8, 256, 2, 1), "fp8": (16, 256, 4, 1), "int8": (64, 128, 4, 1),
-                            "int4": (32, 128, 4, 1), "nvfp4": (32, 128, 4, 1)}),
+                            "int4": (32, 128, 4, 1), "nvfp4": (16, 128, 2, 1)}),
     int8_small_m_max_m=32,
     # One FP8 row: fp8_gemv is faster on qkv (4096->6144, 8.2 vs 9.9 us) and even on o; gate_up and down stay faster
     # on fp8_small_m / cuBLAS (33.8 vs 30.5 us, 21.8 vs 18.1).
