@@ -93,3 +93,10 @@ def test_spec_bench_host_only_quote_drafts_are_accepted_and_outputs_agree(tmp_pa
     assert rows["chat", 1]["acceptance_rate"] < 1.0
     assert rows["chat", 1]["tokens_per_step"] < rows["quote", 1]["tokens_per_step"]
     assert "| quote | 1 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--speculative-max-batch-size", "--num-draft-tokens"])
+def test_non_positive_sizes_fail_with_one_line(flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        load("spec").parse(["--host-only", flag, "0"])
+    assert e.value.code == 2 and f"{flag} must be positive" in capsys.readouterr().err

@@ -6,31 +6,18 @@ AWQ-lite once, then each clip search on a copy; held-out perplexity of the fake-
 Usage: OMP_NUM_THREADS=1 python3 dev/bench/awq_clip_sink.py [--num-samples 8]"""
 import argparse
 import copy
-import dataclasses
 import time
 
-from lowbit import models
-from lowbit.bench.accuracy import heldout, perplexity
+from lowbit.bench.accuracy import perplexity
 from lowbit.calibrate import awq_clip
-from lowbit.calibrate.data import builtin_texts, token_batches
-from lowbit.calibrate.loop import calibrate, forward_loop
-from lowbit.calibrate.resmooth import share_pre_quant_scales
-from lowbit.quantize.api import load_float_model
-from lowbit.recipe import load_recipe
+from lowbit.calibrate.loop import forward_loop
+
+from awq_lite_base import awq_lite_model  # dev/bench, beside this script
 
 p = argparse.ArgumentParser()
 p.add_argument("--num-samples", type=int, default=8)
 args = p.parse_args()
-model, tok = load_float_model(models.resolve(models.DEFAULT_MODEL))
-seqs = heldout(tok, 8)
-recipe = load_recipe("int4_awq")
-recipe = dataclasses.replace(recipe, algorithm="awq_lite", algorithm_args={"alpha_step": 0.1})
-c = recipe.calibration
-batches = token_batches(tok, builtin_texts("boolq", "calib"), args.num_samples, c.seq_len, c.seed)
-t0 = time.time()
-calibrate(model, recipe, batches)
-share_pre_quant_scales(model)
-print(f"awq_lite {time.time() - t0:.0f} s; ppl {perplexity(model, seqs)}", flush=True)
+model, seqs, batches = awq_lite_model(args.num_samples)
 
 original = awq_clip._GroupClip.add
 

@@ -71,7 +71,7 @@ def parse(argv):
     args = p.parse_args(argv)
     for flag in ("batch_sizes", "ks", "tps_batch_sizes"):
         setattr(args, flag, int_list(p, "--" + flag.replace("_", "-"), getattr(args, flag)))
-    for flag in ("context", "repeats", "passage", "output_len", "num_draft_tokens"):
+    for flag in ("context", "repeats", "passage", "output_len", "num_draft_tokens", "speculative_max_batch_size"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.draft_model and not args.model:
@@ -282,15 +282,17 @@ def divergences(engine: Engine, prompts: list[list[int]], plain: list, others: l
     decoder, engine.spec = engine.spec, None
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=2)
     ids = {f"gap{time.monotonic_ns()}-{r}": r for r in firsts}
-    for rid, r in ids.items():
-        engine.add_request(rid, prompts[r] + plain[r][:firsts[r]], params, stream=False)
     gaps = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished and o.request_id in ids:
-                top = o.outputs[0].logprobs[0][1]
-                gaps[ids[o.request_id]] = top[0][1] - top[1][1]
-    engine.spec = decoder
+    try:
+        for rid, r in ids.items():
+            engine.add_request(rid, prompts[r] + plain[r][:firsts[r]], params, stream=False)
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished and o.request_id in ids:
+                    top = o.outputs[0].logprobs[0][1]
+                    gaps[ids[o.request_id]] = top[0][1] - top[1][1]
+    finally:
+        engine.spec = decoder
     return [(r, firsts[r], gaps[r]) for r in sorted(firsts)]
 
 

@@ -32,7 +32,9 @@ OFFSET = 5  # tokens: request i's prompt is OFFSET * i longer (mod CHAT_PERIOD) 
 # second wave part 3, dev/notes/h200_wave2c/spec_real2.jsonl): a plain (overlapped) decode step, the mean of the quote
 # and chat runs' plain tok/s; a verify step, the quote runs without pausing (every step verifies 8.72 tokens per
 # sequence). The verify cost did not grow with its tokens there (k = 4, 8, 16 and batch 4-16 alike, within the runs'
-# spread), so a step of any multi-token shape (verify or prefill) costs the verify figure.
+# spread), so a step of any multi-token shape (verify or prefill) costs the verify figure. Batch 64: the run
+# with the auto-off lifted (dev/notes/h200_wave2d/spec_off_v1_1305.jsonl), plain the mean of quote and
+# chat, verify the quote run without the policy.
 H200_STEP_MS = {"plain": {1: 0.73, 4: 1.00, 16: 1.07, 64: 1.31}, "verify": {1: 3.09, 4: 3.43, 16: 3.34, 64: 17.7}}
 
 

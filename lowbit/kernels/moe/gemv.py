@@ -60,8 +60,8 @@ def expert_gemv(a, w, ids, a_row_div: int, w_scale=None, a_scale=None, config=No
     w_scale, a_scale = (w_scale.float().contiguous(), a_scale.float().contiguous()) if fp8 else (w, w)
     args = (a, w, ids.reshape(-1).contiguous(), w_scale, a_scale, a.stride(0), w.stride(0), w.stride(1))
     return launch_gemv(_gemv_kernel, args, num_pairs, n, kdim, a.dtype, a.device,
-                   gemv_config("fp8" if fp8 else "dense", config), A_ROW_DIV=a_row_div, FP8=fp8,
-                   PER_TOKEN=per_token)
+                       gemv_config("fp8" if fp8 else "dense", config), A_ROW_DIV=a_row_div, FP8=fp8,
+                       PER_TOKEN=per_token)
 
 
 def expert_gemv_int8(a, w, w_scale, a_scale, smooth, ids, a_row_div: int, config=None) -> torch.Tensor:
@@ -69,7 +69,7 @@ def expert_gemv_int8(a, w, w_scale, a_scale, smooth, ids, a_row_div: int, config
     w_scale, a_scale, smooth = check_int8(a, w, w_scale, a_scale, smooth, "expert_gemv_int8")
     args = (a, w, ids.reshape(-1).contiguous(), w_scale, a_scale, smooth, a.stride(0))
     return launch_gemv(_gemv_int8_kernel, args, ids.numel(), w.shape[1], w.shape[2], a.dtype, a.device,
-                   gemv_config("int8", config), A_ROW_DIV=a_row_div)
+                       gemv_config("int8", config), A_ROW_DIV=a_row_div)
 
 
 def int4_block_k(group: int, want: int) -> int:
@@ -89,7 +89,8 @@ def expert_gemv_int4(a, w, scale, smooth, ids, a_row_div: int, config=None) -> t
     scale, smooth, w = scale.float().contiguous(), smooth.float().contiguous(), w.contiguous()
     args = (a, w, scale, smooth, ids.reshape(-1).contiguous(), a.stride(0))
     return launch_gemv(_gemv_int4_kernel, args, ids.numel(), 2 * half, kdim, a.dtype, a.device,
-                   (max(block_n, 2), int4_block_k(group, block_k), warps, split), A_ROW_DIV=a_row_div, GROUP=group)
+                       (max(block_n, 2), int4_block_k(group, block_k), warps, split), A_ROW_DIV=a_row_div,
+                       GROUP=group)
 
 
 @kernel
