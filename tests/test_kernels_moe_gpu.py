@@ -55,6 +55,17 @@ def test_gpu_fused_moe_matches_reference(fmt, path, t):
 
 
 @gpu_only
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_gpu_route_kernel_matches_torch(renormalize):
+    from lowbit.kernels.moe.route import moe_route
+    from test_kernels_moe_route import assert_same_route
+
+    logits = torch.randn(33, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).bfloat16()
+    weights, ids = moe_route(logits, 8, renormalize)
+    assert_same_route(weights, ids, logits, 8, renormalize)
+
+
+@gpu_only
 @pytest.mark.parametrize("config", [(8, 512, 4, 1), (16, 128, 8, 3), (4, 1024, 2, 2)])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "int8", "int4"])
 def test_gpu_gemv_tiles_and_split_k(fmt, config):

@@ -1,5 +1,5 @@
 """Where a step's device time goes, kernel by kernel (GPU): a decode step at a given batch and context, and a
-prefill step, of the dummy Llama-3.1-8B in one format, under torch.profiler. Prints per kernel name its launches
+prefill step, of a dummy model (Llama-3.1-8B unless --model) in one format, under torch.profiler. Prints per kernel name its launches
 per step, us per step and share of the step, and per group (GEMM, attention, norm, ...) the sums.
 
 The decode step is the captured graph's forward run eagerly on the graph's own input buffers, with every row
@@ -23,6 +23,7 @@ from lowbit.serve.runner.context import StepContext  # noqa: E402
 
 GROUPS = (  # (group, substrings of the kernel name), first match wins
     ("attention", ("_decode_kernel", "_combine_kernel", "_prefill")),
+    ("moe", ("_gated_gemv", "_down_combine", "_route_kernel", "_grouped_gemm")),
     ("rotary_kv_store", ("_rotary_store_kv",)),
     ("kv_store", ("_store_kv",)),
     ("gemm_triton", ("_fp8_small_m", "_w4", "_gemv", "_scaled_gemm", "_int8_gemm", "matmul_kernel")),
@@ -164,6 +165,7 @@ def prefill_step(engine, tokens: int, length: int):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--format", default="fp8")
+    p.add_argument("--model", default="llama-3.1-8b", help="whose shapes the dummy weights take (lowbit bench serve's)")
     p.add_argument("--decode", default="1x512,256x200,512x1500", help="BATCHxCONTEXT,...")
     p.add_argument("--prefill", default="8192x128,8192x2048", help="TOKENSxPROMPT_LENGTH,... ('' for none)")
     p.add_argument("--mixed", default="", help="DECODESxCONTEXT+TOKENSxPROMPT_LENGTH,...: mixed steps, decodes "
@@ -183,7 +185,8 @@ def main(argv=None) -> int:
         p.error(f"--mixed {a.mixed}: expected DxC+TxL[,...] with TOKENS a multiple of PROMPT_LENGTH")
     max_batch = max([b for b, _ in cases] + [d + t // n for (d, _), (t, n) in mixed] + [1])
     max_tokens = max([t for t, _ in fills] + [d + t for (d, _), (t, _) in mixed] + [8192])
-    engine = sb.build_engine(sb.parse(["--max-batch-size", str(max_batch), "--max-num-tokens", str(max_tokens)]),
+    engine = sb.build_engine(sb.parse(["--model", a.model, "--phases", "check", "--max-batch-size", str(max_batch),
+                                       "--max-num-tokens", str(max_tokens)]),
                              a.format)
     out = []
     for batch, context in cases:

@@ -1,21 +1,12 @@
-"""Sparse mixture-of-experts block: a top-k softmax router (kept 16-bit) and the experts stacked per projection,
-run over all tokens at once by lowbit.kernels.fused_moe (tokens sorted by expert, grouped GEMMs, weighted combine)."""
+"""Sparse mixture-of-experts block: a top-k softmax router (kept 16-bit; lowbit.kernels.moe_route) and the experts
+stacked per projection, run over all tokens at once by lowbit.kernels.fused_moe (tokens sorted by expert, grouped GEMMs,
+weighted combine)."""
 import torch
 from torch import nn
 
 from lowbit import formats, kernels
 from lowbit.serve.layers import ops
 from lowbit.serve.layers.linear import Linear
-
-
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights fp32 [T, top_k], expert ids [T, top_k]): softmax in fp32 over all experts,
-    the top_k largest, divided by their sum when renormalize (transformers' norm_topk_prob; Mixtral always)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 class MoeExperts(nn.Module):
@@ -191,5 +182,5 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = ops.moe_route(self.gate(x), self.top_k, self.renormalize)
         return self.experts(x, ids, weights)

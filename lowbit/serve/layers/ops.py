@@ -4,6 +4,7 @@ Each is lowbit.kernels' Triton kernel on the GPU and its torch reference elsewhe
 `ops.rms_norm(...)` (never a name bound at import), so a swap reaches every layer.
 """
 from lowbit.kernels import dense_linear, gelu_tanh_and_mul, linear as quant_linear, rms_norm, rotary, silu_and_mul
-from lowbit.kernels import fused_moe
+from lowbit.kernels import fused_moe, moe_route
 
-__all__ = ["dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul", "gelu_tanh_and_mul", "fused_moe"]
+__all__ = ["dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul", "gelu_tanh_and_mul", "fused_moe",
+           "moe_route"]
