@@ -28,7 +28,8 @@ def block_errors(w: torch.Tensor, global_scale: torch.Tensor, weight: torch.Tens
     (scales [steps + 1, out, in/16]: candidate block scales in units of global_scale, step 0 the plain one;
     losses [steps + 1, out, in/16]). A candidate that would underflow e4m3 or modelopt's minimum scale gets inf."""
     blocks = w.float().reshape(w.shape[0], -1, BLOCK)
-    plain = (blocks.abs().amax(-1) / (E2M1_MAX * global_scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    mag = blocks.abs()
+    plain = (mag.amax(-1) / (E2M1_MAX * global_scale)).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     codes = plain.view(torch.uint8).int()
     cw = None if weight is None else weight.float().reshape(-1, BLOCK)  # [in/16, 16]
     scales, losses = [], []
@@ -38,7 +39,7 @@ def block_errors(w: torch.Tensor, global_scale: torch.Tensor, weight: torch.Tens
         scale = s * global_scale
         ok = (code > 0) & (scale >= MIN_BLOCK_SCALE) if k else torch.ones_like(code, dtype=torch.bool)
         safe = torch.where(scale >= MIN_BLOCK_SCALE, scale, torch.ones_like(scale)).unsqueeze(-1)
-        err = torch.sign(blocks) * round_e2m1(blocks.abs() / safe) * safe - blocks
+        err = round_e2m1(mag / safe) * safe - mag  # |q(w)| - |w|: rounding keeps the sign
         loss = (err.pow(2) * cw).sum(-1) if cw is not None else err.pow(2).sum(-1)
         scales.append(s)
         losses.append(torch.where(ok, loss, torch.full_like(loss, float("inf"))))
