@@ -6,8 +6,8 @@ import shutil
 import pytest
 import torch
 
-from lowbit.calibrate.nvfp4_clip import block_errors, search_clamp
-from lowbit.calibrate.nvfp4_cpu import nvfp4_fake_quant
+from lowbit.calibrate.nvfp4_clip import block_errors, round_e2m1_fast, search_clamp
+from lowbit.calibrate.nvfp4_cpu import nvfp4_fake_quant, round_e2m1
 from lowbit.errors import UserError
 from lowbit.recipe import load_recipe, recipe_from_dict
 
@@ -23,6 +23,11 @@ def random_weight(seed: int, out: int = 48, inp: int = 128) -> torch.Tensor:
 
 def block_loss(q, w, col_weight):
     return ((q - w).pow(2) * col_weight).reshape(w.shape[0], -1, 16).sum(-1)
+
+
+def test_fast_e2m1_rounding_equals_the_kernels_ties_included():
+    mag = torch.cat([torch.arange(0, 10, 1 / 1024), torch.rand(10000) * 8, torch.tensor([float("inf")])])
+    assert torch.equal(round_e2m1_fast(mag), round_e2m1(mag))  # the grid holds every midpoint (0.25, 0.75, ... 5)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -15,11 +15,18 @@ Errors (per block b of row o, e = q(w) - w over the block's 16 columns):
 import torch
 from torch import nn
 
-from lowbit.calibrate.nvfp4_cpu import E2M1_MAX, E4M3_MAX, MIN_BLOCK_SCALE, round_e2m1
+from lowbit.calibrate.nvfp4_cpu import E2M1_MAX, E4M3_MAX, MIN_BLOCK_SCALE
 
 ERRORS = ("mse", "output")
 STEPS = 8  # e4m3 codes below the plain scale tried (8 codes = one octave: scales down to ~0.5x)
 BLOCK = 16
+
+
+def round_e2m1_fast(mag: torch.Tensor) -> torch.Tensor:
+    """nvfp4_cpu.round_e2m1 in fewer passes: the e2m1 magnitudes are multiples of 0.5 below 2, of 1 below 4, then
+    4 and 6; dividing by a power of 2 is exact and round() sends halves to even multiples, which are the even codes."""
+    step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
+    return (mag / step).round_().mul_(step).clamp_(max=E2M1_MAX)
 
 
 def block_errors(w: torch.Tensor, global_scale: torch.Tensor, weight: torch.Tensor | None = None,
@@ -39,7 +46,7 @@ def block_errors(w: torch.Tensor, global_scale: torch.Tensor, weight: torch.Tens
         scale = s * global_scale
         ok = (code > 0) & (scale >= MIN_BLOCK_SCALE) if k else torch.ones_like(code, dtype=torch.bool)
         safe = torch.where(scale >= MIN_BLOCK_SCALE, scale, torch.ones_like(scale)).unsqueeze(-1)
-        err = round_e2m1(mag / safe) * safe - mag  # |q(w)| - |w|: rounding keeps the sign
+        err = round_e2m1_fast(mag / safe) * safe - mag  # |q(w)| - |w|: rounding keeps the sign
         loss = (err.pow(2) * cw).sum(-1) if cw is not None else err.pow(2).sum(-1)
         scales.append(s)
         losses.append(torch.where(ok, loss, torch.full_like(loss, float("inf"))))
