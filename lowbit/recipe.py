@@ -123,7 +123,7 @@ def validate(r: Recipe) -> None:
     _check_rounding_args(r, bad)
     if r.weight_scale_search is not None and r.weight_scale_search not in WEIGHT_SCALE_SEARCHES:
         bad("weight_scale_search", f"{r.weight_scale_search!r} is not one of {', '.join(WEIGHT_SCALE_SEARCHES)} or null")
-    if r.weight_scale_search is not None and r.quant_algo != "NVFP4":
+    if r.weight_scale_search is not None and formats.get(r.quant_algo).kernel != "nvfp4":
         bad("weight_scale_search", f"applies to NVFP4 weights only, not {r.quant_algo}")
     _check_rotation(r, bad)
     if not isinstance(r.kv_scale_search, bool):
