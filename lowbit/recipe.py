@@ -10,6 +10,7 @@ from lowbit.errors import UserError
 RECIPE_DIR = Path(__file__).parent / "recipes"
 ALGORITHMS = ("max", "mse", "awq_lite", "awq_clip", "awq_full", "smoothquant", "rtn")
 ROUNDINGS = ("nearest", "gptq")  # how weights meet their calibrated scales (calibrate/gptq.py)
+WEIGHT_SCALE_SEARCHES = ("mse", "output")  # NVFP4 block scales chosen by weight / output-weighted error (calibrate/nvfp4_clip.py)
 ROTATIONS = ("hadamard",)  # residual-stream rotation folded into the float weights before calibration (calibrate/rotate.py)
 
 
@@ -32,6 +33,7 @@ class Recipe:
     algorithm_args: dict = field(default_factory=dict)  # e.g. {alpha: 0.5} for smoothquant
     rounding: str = "nearest"  # nearest | gptq: GPTQ rounding against the calibrated scales, after `algorithm`
     rounding_args: dict = field(default_factory=dict)  # gptq: {damp: fraction of mean diag(H) added, block: columns, static_groups}
+    weight_scale_search: str | None = None  # None | mse | output: NVFP4 weight block scales searched (calibrate/nvfp4_clip.py)
     rotation: str | None = None  # None | hadamard: calibrate/rotate.py, on the float model before calibration
     rotation_args: dict = field(default_factory=dict)  # hadamard: {seed: int, heads: rotate each value head too}
     group_size: int | None = None  # block/group size of weight scales where the format has one
@@ -119,6 +121,10 @@ def validate(r: Recipe) -> None:
     if r.rounding not in ROUNDINGS:
         bad("rounding", f"{r.rounding!r} is not one of {', '.join(ROUNDINGS)}")
     _check_rounding_args(r, bad)
+    if r.weight_scale_search is not None and r.weight_scale_search not in WEIGHT_SCALE_SEARCHES:
+        bad("weight_scale_search", f"{r.weight_scale_search!r} is not one of {', '.join(WEIGHT_SCALE_SEARCHES)} or null")
+    if r.weight_scale_search is not None and formats.get(r.quant_algo).kernel != "nvfp4":
+        bad("weight_scale_search", f"applies to NVFP4 weights only, not {r.quant_algo}")
     _check_rotation(r, bad)
     if not isinstance(r.kv_scale_search, bool):
         bad("kv_scale_search", f"{r.kv_scale_search!r} is not true or false")

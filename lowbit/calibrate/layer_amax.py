@@ -10,10 +10,12 @@ KV_ATTENTION = "lowbit_kv_amax"  # transformers attention implementation: sdpa, 
 
 class LayerAmax:
     """Running amax (fp32 scalars) by module name, relative to the layer: `inputs` per linear, `k`/`v` per attention
-    module; `shared[name]` is the name of the first linear that saw the same input tensor (q/k/v, gate/up)."""
+    module; `shared[name]` is the name of the first linear that saw the same input tensor (q/k/v, gate/up);
+    `squares[name]` [in] the sum over tokens of each input column's square (NVFP4's weight scale search)."""
 
     def __init__(self):
         self.inputs: dict[str, torch.Tensor] = {}
+        self.squares: dict[str, torch.Tensor] = {}
         self.shared: dict[str, str] = {}
         self.k: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
@@ -44,6 +46,8 @@ def record(layer: nn.Module, config, kv: bool):
         def pre(_, args):
             x = args[0]
             _running_max(stats.inputs, name, x)
+            sq = x.detach().reshape(-1, x.shape[-1]).float().pow(2).sum(0)
+            stats.squares[name] = stats.squares[name] + sq if name in stats.squares else sq
             lead = next((n for t, n in seen if t is x), None)
             if lead is None:
                 seen.append((x, name))

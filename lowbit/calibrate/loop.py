@@ -86,6 +86,14 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
             from lowbit.calibrate.gptq import gptq_round
 
             gptq_round(model, forward_loop(batches, desc=f"GPTQ Hessians {recipe.name}"), **recipe.rounding_args)
+        if recipe.weight_scale_search and config is None:
+            from lowbit.calibrate.nvfp4_clip import nvfp4_weight_scale_search
+
+            t1 = time.time()
+            n = nvfp4_weight_scale_search(model, forward_loop(batches, desc=f"NVFP4 weight statistics {recipe.name}"),
+                                          recipe.weight_scale_search)
+            print(f"[lowbit] NVFP4 weight scale search ({recipe.weight_scale_search}): {n} blocks clipped "
+                  f"({time.time() - t1:.1f} s)", file=sys.stderr)
     if recipe.kv_cache:
         check_kv_calibrated(model)
     if recipe.kv_scale_search and config is None:

@@ -21,6 +21,7 @@ from lowbit import __version__, formats
 from lowbit.calibrate.groups import _excluded, layer_group
 from lowbit.calibrate.layer_amax import record
 from lowbit.calibrate.loop import BATCH_SIZE
+from lowbit.calibrate.nvfp4_clip import search_clamp
 from lowbit.errors import UserError
 from lowbit.progress import Progress
 from lowbit.recipe import Recipe
@@ -217,8 +218,11 @@ def write_layer(writer, layer: nn.Module, prefix: str, stats, recipe: Recipe) ->
             entries[f"{full}.quantization"] = None
             continue
         group = layer_group(m.in_features, recipe.group_size) if calib.group_required else (calib.block or 0)
-        t = fmt.quantize(m.weight.detach(), group=group or 128, x_amax=stats.inputs[n].item(),
-                         w_amax=w_amax[stats.shared[n]])
+        w = m.weight.detach()
+        if recipe.weight_scale_search:  # NVFP4: block scales searched, with the shared weight_scale_2 fixed
+            squares = stats.squares[n] if recipe.weight_scale_search == "output" else None
+            w = search_clamp(w, torch.tensor(w_amax[stats.shared[n]]), squares)
+        t = fmt.quantize(w, group=group or 128, x_amax=stats.inputs[n].item(), w_amax=w_amax[stats.shared[n]])
         for suffix, value in t.items():
             writer.add(f"{full}.{suffix}", value)
         entries |= {f"{full}.quantization": calib.modelopt_layer_format, f"{full}.awq_block_size": group}
