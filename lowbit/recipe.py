@@ -10,7 +10,8 @@ from lowbit.errors import UserError
 RECIPE_DIR = Path(__file__).parent / "recipes"
 ALGORITHMS = ("max", "mse", "awq_lite", "awq_clip", "awq_full", "smoothquant", "rtn")
 ROUNDINGS = ("nearest", "gptq")  # how weights meet their calibrated scales (calibrate/gptq.py)
-WEIGHT_SCALE_SEARCHES = ("mse", "output")  # NVFP4 block scales chosen by weight / output-weighted error (calibrate/nvfp4_clip.py)
+# NVFP4 block scales chosen by weight / output-weighted rounding error (calibrate/nvfp4_clip.py)
+WEIGHT_SCALE_SEARCHES = ("mse", "output")
 ROTATIONS = ("hadamard",)  # residual-stream rotation folded into the float weights before calibration (calibrate/rotate.py)
 
 
@@ -122,7 +123,8 @@ def validate(r: Recipe) -> None:
         bad("rounding", f"{r.rounding!r} is not one of {', '.join(ROUNDINGS)}")
     _check_rounding_args(r, bad)
     if r.weight_scale_search is not None and r.weight_scale_search not in WEIGHT_SCALE_SEARCHES:
-        bad("weight_scale_search", f"{r.weight_scale_search!r} is not one of {', '.join(WEIGHT_SCALE_SEARCHES)} or null")
+        bad("weight_scale_search",
+            f"{r.weight_scale_search!r} is not one of {', '.join(WEIGHT_SCALE_SEARCHES)} or null")
     if r.weight_scale_search is not None and formats.get(r.quant_algo).kernel != "nvfp4":
         bad("weight_scale_search", f"applies to NVFP4 weights only, not {r.quant_algo}")
     _check_rotation(r, bad)
