@@ -72,3 +72,30 @@ def test_auto_needs_a_gate(capsys):
 
     assert main(["quantize", "--recipe", "auto"]) == 2
     assert "needs --gate" in capsys.readouterr().err
+
+
+def test_auto_nvfp4_units_search_their_block_scales_as_the_recipe_does():
+    """--recipe auto's nvfp4 choice carries the recipe's weight_scale_search: the unit's tensors keep weight_scale_2
+    (the unit's shared amax) and round with a smaller E[x^2]-weighted error than max block scales."""
+    from torch import nn
+
+    from lowbit.calibrate import sensitivity as sens
+    from lowbit.quantize.auto import CANDIDATES, candidate_choices
+
+    choices = candidate_choices(CANDIDATES)
+    assert choices["nvfp4"].weight_scale_search == "output" and choices["fp8"].weight_scale_search is None
+    g = torch.Generator().manual_seed(3)
+    model = nn.ModuleDict({"q_proj": nn.Linear(64, 48, bias=False), "k_proj": nn.Linear(64, 16, bias=False)})
+    with torch.no_grad():
+        for m in model.values():
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g) * torch.logspace(-1, 0.5, 64))
+    x = torch.randn(256, 64, generator=g) * torch.linspace(0.2, 3.0, 64)
+    stats = sens.InputStats({n: float(x.abs().max()) for n in model}, {n: x.pow(2).sum(0) for n in model})
+    fmt = choices["nvfp4"].fmt
+    searched = sens.quantize_unit(model, ("q_proj", "k_proj"), choices["nvfp4"], stats)
+    plain = sens.quantize_unit(model, ("q_proj", "k_proj"), sens.Choice("nvfp4", fmt, 16), stats)
+    for name, m in model.items():
+        assert torch.equal(searched[name]["weight_scale_2"], plain[name]["weight_scale_2"])
+        err = {k: (((fmt.dequantize(t[name]).float() - m.weight) ** 2) * stats.squares[name]).sum().item()
+               for k, t in (("searched", searched), ("plain", plain))}
+        assert err["searched"] < 0.95 * err["plain"], err

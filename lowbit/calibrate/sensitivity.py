@@ -17,6 +17,15 @@ class Choice:
     label: str  # the recipe name it comes from, or "bf16"
     fmt: formats.Format | None
     group: int = 128
+    weight_scale_search: str | None = None  # the recipe's NVFP4 block-scale search (calibrate/nvfp4_clip.py)
+
+
+@dataclass
+class InputStats:
+    """Per linear, over the calibration batches: amax[name] max |input| (the static input scales' amax), squares[name]
+    [in] the sum of each input column's square (the NVFP4 block-scale search's error weights)."""
+    amax: dict[str, float]
+    squares: dict[str, torch.Tensor]
 
 
 def units(model: nn.Module, exclude=("lm_head",)) -> list[tuple[str, ...]]:
@@ -36,13 +45,16 @@ def units(model: nn.Module, exclude=("lm_head",)) -> list[tuple[str, ...]]:
 
 
 @torch.no_grad()
-def input_amax(model: nn.Module, batches: list[torch.Tensor], names) -> dict[str, float]:
-    """{linear name: max |input|} over the calibration batches (the static input scales' amax)."""
-    found = {}
+def input_stats(model: nn.Module, batches: list[torch.Tensor], names) -> InputStats:
+    """The float model's inputs to the linears `names` over the calibration batches."""
+    found = InputStats({}, {})
 
     def hook(name):
         def record(_module, args):
-            found[name] = max(found.get(name, 0.0), float(args[0].abs().max()))
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            found.amax[name] = max(found.amax.get(name, 0.0), float(x.abs().max()))
+            sq = x.pow(2).sum(0)
+            found.squares[name] = found.squares[name] + sq if name in found.squares else sq
         return record
 
     handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
@@ -55,11 +67,18 @@ def input_amax(model: nn.Module, batches: list[torch.Tensor], names) -> dict[str
     return found
 
 
-def quantize_unit(model: nn.Module, unit, choice: Choice, amax: dict) -> dict[str, dict]:
-    """{linear name: the choice's on-disk tensors} for every linear of a unit (shared input and weight amax)."""
+def quantize_unit(model: nn.Module, unit, choice: Choice, stats: InputStats) -> dict[str, dict]:
+    """{linear name: the choice's on-disk tensors} for every linear of a unit (shared input and weight amax; NVFP4
+    block scales searched where the choice's recipe searches them, with that shared amax fixed)."""
     weights = {n: model.get_submodule(n).weight.detach().float() for n in unit}
     w_amax = max(float(w.abs().max()) for w in weights.values())
-    x_amax = max(amax[n] for n in unit)
+    x_amax = max(stats.amax[n] for n in unit)
+    if choice.weight_scale_search:
+        from lowbit.calibrate.nvfp4_clip import search_clamp
+
+        weights = {n: search_clamp(w, torch.tensor(w_amax),
+                                   stats.squares[n] if choice.weight_scale_search == "output" else None)
+                   for n, w in weights.items()}
     return {n: choice.fmt.quantize(w, group=layer_group(w.shape[1], choice.group), x_amax=x_amax, w_amax=w_amax)
             for n, w in weights.items()}
 

@@ -62,7 +62,7 @@ def auto_quantize(model: str, settings: AutoSettings, out=None, force: bool = Fa
     if out.exists() and not force:
         raise UserError(f"output {out} already exists (use --force to overwrite)")
     hf_model, tokenizer = load_float_model(src)
-    table, params, choices, amax = profile(hf_model, tokenizer, settings)
+    table, params, choices, stats = profile(hf_model, tokenizer, settings)
     path = auto_search.upgrade_path(table, params)
     mixes = auto_search.trials(path, table, params, settings.max_bits, settings.trials)
     report = {"model": str(model), "gate": settings.gate, "max_bits": settings.max_bits, "tasks": plan.tasks,
@@ -76,7 +76,7 @@ def auto_quantize(model: str, settings: AutoSettings, out=None, force: bool = Fa
         chosen = None
         for i, mix in enumerate(mixes):
             trial = work / f"trial{i}"
-            write(hf_model, tokenizer, mix, choices, amax, trial, str(model), settings)
+            write(hf_model, tokenizer, mix, choices, stats, trial, str(model), settings)
             record = gate_trial(trial, baseline, plan, thresholds, settings.confidence)
             record.update(mix_summary(mix, table, params), size_mb=_mb(trial))
             report["trials"].append(record)
@@ -85,7 +85,7 @@ def auto_quantize(model: str, settings: AutoSettings, out=None, force: bool = Fa
             chosen = mix
             if record["passed"]:
                 break
-        write(hf_model, tokenizer, chosen, choices, amax, out, str(model), settings, force=force)
+        write(hf_model, tokenizer, chosen, choices, stats, out, str(model), settings, force=force)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report["passed"] = report["trials"][-1]["passed"]
@@ -93,32 +93,39 @@ def auto_quantize(model: str, settings: AutoSettings, out=None, force: bool = Fa
     return (0 if report["passed"] else 1), report
 
 
-def profile(model, tokenizer, settings: AutoSettings):
-    """({unit: {label: Option}}, {unit: weight count}, {label: Choice}, {linear: input amax}) on calibration text."""
-    from lowbit.calibrate.data import load_texts, token_batches
+def candidate_choices(names) -> dict[str, sens.Choice]:
+    """{recipe name: how a unit takes that recipe's format}: its format, group size and NVFP4 block-scale search."""
     from lowbit.recipe import load_recipe
 
-    recipes = [load_recipe(name) for name in settings.candidates]
-    choices = {r.name: sens.Choice(r.name, formats.get(r.quant_algo), r.group_size or 128) for r in recipes}
+    recipes = [load_recipe(name) for name in names]
+    return {r.name: sens.Choice(r.name, formats.get(r.quant_algo), r.group_size or 128, r.weight_scale_search)
+            for r in recipes}
+
+
+def profile(model, tokenizer, settings: AutoSettings):
+    """({unit: {label: Option}}, {unit: weight count}, {label: Choice}, sens.InputStats) on calibration text."""
+    from lowbit.calibrate.data import load_texts, token_batches
+
+    choices = candidate_choices(settings.candidates)
     ids = token_batches(tokenizer, load_texts("builtin:boolq", "calib"), settings.calib_samples, settings.seq_len)
     batches = [torch.tensor([b]) for b in ids]
     units = sens.units(model, settings.exclude)
-    amax = sens.input_amax(model, batches, [n for u in units for n in u])
+    stats = sens.input_stats(model, batches, [n for u in units for n in u])
     ref = sens.reference_logprobs(model, batches)
     table, params = {}, {}
     for k, unit in enumerate(units):
         params[unit] = sum(model.get_submodule(n).weight.numel() for n in unit)
         table[unit] = {FLOAT: auto_search.Option(FLOAT, 0.0, 16.0)}
         for label, choice in choices.items():
-            tensors = sens.quantize_unit(model, unit, choice, amax)
+            tensors = sens.quantize_unit(model, unit, choice, stats)
             kl = sens.kl_with(model, batches, ref, tensors, choice.fmt)
             table[unit][label] = auto_search.Option(label, kl, sens.bits_per_weight(tensors, params[unit]))
         print(f"[lowbit] auto sensitivity {k + 1}/{len(units)} {unit[0].rsplit('.', 1)[0]}: "
               + ", ".join(f"{o.label} {o.kl:.2e}" for o in table[unit].values()), file=sys.stderr)
-    return table, params, choices, amax
+    return table, params, choices, stats
 
 
-def write(model, tokenizer, mix: dict, choices: dict, amax: dict, out: Path, source: str, settings,
+def write(model, tokenizer, mix: dict, choices: dict, stats, out: Path, source: str, settings,
           force: bool = True) -> None:
     from lowbit.evaluate import gate as gates
     from lowbit.formats.layers import MIXED_PRECISION
@@ -129,7 +136,7 @@ def write(model, tokenizer, mix: dict, choices: dict, amax: dict, out: Path, sou
         if label == FLOAT:
             continue
         choice = choices[label]
-        tensors.update(sens.quantize_unit(model, unit, choice, amax))
+        tensors.update(sens.quantize_unit(model, unit, choice, stats))
         for name in unit:
             entry = {"quant_algo": choice.fmt.name}
             if choice.fmt.calibration and choice.fmt.calibration.group_required:
