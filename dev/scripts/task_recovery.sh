@@ -2,12 +2,12 @@
 # lm-eval task recovery (candidate / float baseline, each +- se) of every shipped recipe on the embedded model, for
 # docs/accuracy.md: quantize each recipe into $DIR (fp8 from the store), then
 # `lowbit eval CKPT --tasks arc_easy,hellaswag,piqa --limit $LIMIT --no-gate --report $DIR/R.json`.
-#   OMP_NUM_THREADS=1 bash dev/scripts/task_recovery.sh [DIR] [LIMIT]
+#   OMP_NUM_THREADS=1 [RECIPES="nvfp4 ..."] bash dev/scripts/task_recovery.sh [DIR] [LIMIT]
 set -u
 DIR=${1:-/tmp/recovery}
 LIMIT=${2:-200}
 mkdir -p "$DIR"
-for r in fp8 w8a8_sq fp8_dynamic nvfp4 int4_rtn int4_awq; do
+for r in ${RECIPES:-fp8 w8a8_sq fp8_dynamic nvfp4 int4_rtn int4_awq}; do
     echo "=== $r $(date -u +%H:%M:%S)"
     ck="$DIR/$r"
     [ "$r" = fp8 ] && ck=smollm2-135m-fp8
