@@ -5,6 +5,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from lowbit.calibrate.nvfp4_clip import add_column_squares
+
 KV_ATTENTION = "lowbit_kv_amax"  # transformers attention implementation: sdpa, recording k/v amax on the way
 
 
@@ -36,9 +38,10 @@ def _kv_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 @contextmanager
-def record(layer: nn.Module, config, kv: bool):
+def record(layer: nn.Module, config, kv: bool, squares: bool = False):
     """Yields a LayerAmax that fills while `layer` runs; kv: record k/v amax too (the layer's attention runs
-    through sdpa with a recording step, by switching `config`'s attention implementation while inside)."""
+    through sdpa with a recording step, by switching `config`'s attention implementation while inside); squares:
+    each linear's input column squares too (only the NVFP4 `output` search reads them)."""
     stats = LayerAmax()
     seen: list[tuple[torch.Tensor, str]] = []  # (input, first linear that saw it) within one forward of the layer
 
@@ -46,8 +49,8 @@ def record(layer: nn.Module, config, kv: bool):
         def pre(_, args):
             x = args[0]
             _running_max(stats.inputs, name, x)
-            sq = x.detach().reshape(-1, x.shape[-1]).float().pow(2).sum(0)
-            stats.squares[name] = stats.squares[name] + sq if name in stats.squares else sq
+            if squares:
+                add_column_squares(stats.squares, name, x)
             lead = next((n for t, n in seen if t is x), None)
             if lead is None:
                 seen.append((x, name))

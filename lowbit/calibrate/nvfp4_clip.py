@@ -67,6 +67,12 @@ def search_clamp(w: torch.Tensor, amax: torch.Tensor, weight: torch.Tensor | Non
     return clamped.reshape(w.shape).to(w.dtype)
 
 
+def add_column_squares(store: dict, name: str, x: torch.Tensor) -> None:
+    """store[name] += the sum over x's rows of each column's square ([in], fp32): the `output` error's E[x^2]."""
+    sq = x.detach().reshape(-1, x.shape[-1]).float().pow(2).sum(0)
+    store[name] = store[name] + sq if name in store else sq
+
+
 def _nvfp4_weight_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     from modelopt.torch.quantization.utils import is_quantized_linear
 
@@ -87,12 +93,8 @@ def input_squares(model: nn.Module, linears: list[tuple[str, nn.Module]], forwar
 
     on = [q for q in model.modules() if isinstance(q, TensorQuantizer) and q.is_enabled]
     squares = {}
-
-    def add(name, x):
-        x = x.detach().reshape(-1, x.shape[-1]).float()
-        squares[name] = squares[name] + x.pow(2).sum(0) if name in squares else x.pow(2).sum(0)
-
-    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: add(name, args[0])) for name, m in linears]
+    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: add_column_squares(squares, name, args[0]))
+             for name, m in linears]
     for q in on:
         q.disable()
     try:

@@ -6,6 +6,8 @@ from torch import nn
 
 from lowbit import formats
 from lowbit.calibrate.groups import layer_group
+from lowbit.calibrate import nvfp4_clip
+from lowbit.calibrate.nvfp4_clip import add_column_squares
 
 # linears that read the same input and merge into one kernel (q/k/v, gate/up) get one format together
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -51,10 +53,8 @@ def input_stats(model: nn.Module, batches: list[torch.Tensor], names) -> InputSt
 
     def hook(name):
         def record(_module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            found.amax[name] = max(found.amax.get(name, 0.0), float(x.abs().max()))
-            sq = x.pow(2).sum(0)
-            found.squares[name] = found.squares[name] + sq if name in found.squares else sq
+            found.amax[name] = max(found.amax.get(name, 0.0), float(args[0].abs().max()))
+            add_column_squares(found.squares, name, args[0])
         return record
 
     handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
@@ -74,9 +74,7 @@ def quantize_unit(model: nn.Module, unit, choice: Choice, stats: InputStats) -> 
     w_amax = max(float(w.abs().max()) for w in weights.values())
     x_amax = max(stats.amax[n] for n in unit)
     if choice.weight_scale_search:
-        from lowbit.calibrate.nvfp4_clip import search_clamp
-
-        weights = {n: search_clamp(w, torch.tensor(w_amax),
+        weights = {n: nvfp4_clip.search_clamp(w, torch.tensor(w_amax),
                                    stats.squares[n] if choice.weight_scale_search == "output" else None)
                    for n, w in weights.items()}
     return {n: choice.fmt.quantize(w, group=layer_group(w.shape[1], choice.group), x_amax=x_amax, w_amax=w_amax)

@@ -78,7 +78,8 @@ def quantize_layerwise(src: Path, tokenizer, recipe: Recipe, batches: list[list[
             for i, layer in enumerate(layers):
                 prefix = f"{base}.layers.{i}"
                 materialize(model, layer, tensors, prefix)
-                with record(layer, model.config, kv=recipe.kv_cache is not None) as stats, torch.no_grad():
+                with record(layer, model.config, kv=recipe.kv_cache is not None,
+                            squares=recipe.weight_scale_search == "output") as stats, torch.no_grad():
                     hidden = [_hidden(layer(h, *args, **kwargs)) for h, (args, kwargs) in zip(hidden, calls[i])]
                 entries |= write_layer(writer, layer, prefix, stats, recipe)
                 layer.to_empty(device="meta")
