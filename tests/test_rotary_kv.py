@@ -119,3 +119,70 @@ def test_backends_agree(kv_dtype):
         outs.append((backend.rotary_store_kv(*c), c[6]))
     (q_t, cache_t), (q_k, cache_k) = outs
     assert_same_result(q_k.cpu(), cache_k.cpu(), q_t.cpu(), cache_t.cpu())
+
+
+def norm_case(case, seed=5, gemma=False):
+    """Per-head q/k RMSNorm weights (Qwen3's; Gemma's 1 + weight in float32) on the case's device."""
+    g = torch.Generator().manual_seed(seed)
+    q_w, k_w = (1 + 0.5 * torch.randn(D, generator=g) for _ in range(2))
+    if not gemma:
+        q_w, k_w = q_w.to(case[0].dtype), k_w.to(case[0].dtype)
+    return (q_w.to(DEVICE), k_w.to(DEVICE), 1e-6)
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("dtype,kv_dtype", CASES)
+def test_qk_norm_fused_matches_reference(dtype, kv_dtype, gemma):
+    case = make_case(dtype, kv_dtype, scaled=False, seed=6)
+    norm = norm_case(case, gemma=gemma)
+    ref_case, ker_case = list(case), list(case)
+    ref_case[6], ker_case[6] = case[6].clone(), case[6].clone()
+    q, q_ref = rotary_store_kv(*ker_case, qk_norm=norm), rotary_store_kv_ref(*ref_case, qk_norm=norm)
+    if dtype == torch.bfloat16:  # three bf16 roundings before the rotation (the interpreter truncates): where one
+        # lands an ulp apart, x1 cos - x2 sin can cancel down to that ulp; a wrong weight or head is off by O(1)
+        torch.testing.assert_close(q, q_ref, rtol=2 ** -6, atol=2 ** -5)
+        if kv_dtype == dtype:
+            torch.testing.assert_close(ker_case[6], ref_case[6], rtol=2 ** -6, atol=2 ** -5)
+    else:
+        assert_same_result(q, ker_case[6], q_ref, ref_case[6])
+    plain = rotary_store_kv_ref(*[c.clone() if torch.is_tensor(c) else c for c in case])
+    assert not torch.allclose(q_ref.float(), plain.float(), atol=1e-2)  # the norms changed q
+
+
+def test_qk_norm_reference_is_the_unfused_path():
+    """Bit for bit the path it replaces: q_norm / k_norm (rms_norm_ref per head), rotary_ref, then store_kv_ref."""
+    from lowbit.kernels.ops.norm import rms_norm_ref
+    from lowbit.kernels.ops.rotary import rotary_ref
+
+    case = make_case(torch.bfloat16, FP8, scaled=False, seed=7)
+    qkv, hq, hk, pos, cos_sin, _, cache, slots, ks, vs = case
+    q_w, k_w, eps = norm_case(case)
+    t = qkv.shape[0]
+    q = rms_norm_ref(qkv[:, :hq * D].reshape(t, hq, D), q_w, eps)[0].reshape(t, -1)
+    k = rms_norm_ref(qkv[:, hq * D:(hq + hk) * D].reshape(t, hk, D), k_w, eps)[0].reshape(t, -1)
+    q, k = rotary_ref(q, k, pos, cos_sin)
+    expected = cache.clone()
+    pa.store_kv_ref(k.view(-1, hk, D), qkv[:, (hq + hk) * D:].reshape(t, hk, D), expected, slots, ks, vs)
+    got = cache.clone()
+    q_got = rotary_store_kv_ref(qkv, hq, hk, pos, cos_sin, None, got, slots, ks, vs, qk_norm=(q_w, k_w, eps))
+    assert torch.equal(q_got, q) and torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_qk_norm_refuses_part_scales():
+    case = make_case(torch.float16, torch.float16, scaled=True, seed=8)
+    with pytest.raises(ValueError, match="qk_norm takes no part_scales"):
+        rotary_store_kv(*case, qk_norm=norm_case(case))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, FP8])
+def test_backends_agree_with_qk_norm(kv_dtype):
+    case = make_case(torch.float16, kv_dtype, scaled=False, seed=9)
+    case[7] = case[7].abs()
+    norm = norm_case(case)
+    outs = []
+    for backend in (TorchAttentionBackend, TritonAttentionBackend):
+        c = list(case)
+        c[6] = case[6].clone()
+        outs.append((backend.rotary_store_kv(*c, qk_norm=norm), c[6]))
+    (q_t, cache_t), (q_k, cache_k) = outs
+    assert_same_result(q_k.cpu(), cache_k.cpu(), q_t.cpu(), cache_t.cpu())

@@ -79,12 +79,13 @@ def op_errors(bench, args, fmt) -> dict:
             rec.add("store_kv", kv_cache.float(), ref.float())
 
         @staticmethod
-        def rotary_store_kv(qkv, hq, hk, positions, cache, part_scales, kv_cache, slot_mapping, k_scale, v_scale):
+        def rotary_store_kv(qkv, hq, hk, positions, cache, part_scales, kv_cache, slot_mapping, k_scale, v_scale,
+                            qk_norm=None):
             ref = kv_cache.clone()
             q_ref = attn_mod.TorchAttentionBackend.rotary_store_kv(qkv, hq, hk, positions, cache, part_scales, ref,
-                                                                   slot_mapping, k_scale, v_scale)
+                                                                   slot_mapping, k_scale, v_scale, qk_norm)
             q = TritonAttentionBackend.rotary_store_kv(qkv, hq, hk, positions, cache, part_scales, kv_cache,
-                                                       slot_mapping, k_scale, v_scale)
+                                                       slot_mapping, k_scale, v_scale, qk_norm)
             rec.add("rotary_store_kv q", q, q_ref)
             rec.add("rotary_store_kv cache", kv_cache.float(), ref.float())
             return q

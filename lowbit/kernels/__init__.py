@@ -23,7 +23,7 @@ _WHERE = {
     "lowbit.kernels.attention.paged_attention": ("store_kv", "store_kv_ref", "gather_kv", "v_blocks", "paged_decode",
                                                  "decode_splits", "long_context", "attention_ref", "window_start"),
     "lowbit.kernels.attention.paged_prefill": ("paged_prefill",),
-    "lowbit.kernels.attention.rotary_kv": ("rotary_store_kv",),
+    "lowbit.kernels.attention.rotary_kv": ("rotary_store_kv", "qk_norm_ref"),
     "lowbit.kernels.moe.fused_moe": ("fused_moe", "fused_moe_ref", "Fp8Scales", "Int4Scales", "Int8Scales",
                                    "Nvfp4Scales"),
     "lowbit.kernels.moe.route": ("moe_route", "moe_route_ref"),

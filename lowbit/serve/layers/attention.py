@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit.kernels import (attention_ref, gather_kv, quantize_fp8_ref, rotary_qk_ref, store_kv_ref, v_blocks,
-                            window_start)
+from lowbit.kernels import (attention_ref, gather_kv, qk_norm_ref, quantize_fp8_ref, rotary_qk_ref, store_kv_ref,
+                            v_blocks, window_start)
 from lowbit.serve.runner.context import StepContext
 
 
@@ -40,10 +40,13 @@ class TorchAttentionBackend:
 
     @staticmethod
     def rotary_store_kv(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales, kv_cache,
-                        slot_mapping, k_scale, v_scale) -> torch.Tensor:
+                        slot_mapping, k_scale, v_scale, qk_norm=None) -> torch.Tensor:
         """qkv [T, >= (Hq+2Hk)*D], the fused projection's rows -> rotated q [T, Hq*D]; rotated k and v stored as
-        store_kv stores them (rotary_qk_ref's math, then store_kv)."""
+        store_kv stores them (rotary_qk_ref's math, then store_kv). qk_norm: (q weight, k weight, eps) of per-head
+        RMSNorms applied first (qk_norm_ref)."""
         t, d = qkv.shape[0], cos_sin_cache.shape[-1]
+        if qk_norm is not None:
+            qkv = qk_norm_ref(qkv, num_q_heads, num_k_heads, d, qk_norm)
         if part_scales is not None:  # deferred FP8 ratios (GPU merges only): the reference as written
             q, k, v = rotary_qk_ref(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales)
         else:  # rotary_qk_ref's elementwise math on q's and k's heads in one pass, cos/sin gathered once a step
@@ -224,12 +227,16 @@ class Attention(nn.Module):
         _backend.store_kv(k, v, self.kv_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         return self._attend(q, ctx, out_scale)
 
-    def forward_qkv(self, qkv, cos_sin_cache, part_scales, ctx: StepContext, out_scale=None) -> torch.Tensor:
+    def forward_qkv(self, qkv, cos_sin_cache, part_scales, ctx: StepContext, out_scale=None,
+                    qk_norm=None) -> torch.Tensor:
         """qkv [T, >= (Hq+2Hk)*D], the fused projection's rows (part_scales: fp32 [3] or None, see rotary_qk_ref) ->
-        [T, Hq*D] as forward gives: rotary and the K/V store in one backend call."""
+        [T, Hq*D] as forward gives: rotary and the K/V store in one backend call (qk_norm: (q weight, k weight, eps)
+        of per-head RMSNorms before the rotary, in the same call)."""
         ctx = ctx.for_kind(self.kv_kind)
+        norm = {} if qk_norm is None else {"qk_norm": qk_norm}  # only when set: a backend without the argument
+        # still serves every model without per-head norms
         q = _backend.rotary_store_kv(qkv, self.num_heads, self.num_kv_heads, ctx.positions, cos_sin_cache,
-                                     part_scales, self.kv_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
+                                     part_scales, self.kv_cache, ctx.slot_mapping, self.k_scale, self.v_scale, **norm)
         return self._attend(q.view(q.shape[0], self.num_heads, self.head_dim), ctx, out_scale)
 
     def _attend(self, q, ctx: StepContext, out_scale) -> torch.Tensor:

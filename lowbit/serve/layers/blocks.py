@@ -16,9 +16,10 @@ from lowbit.serve.runner.context import StepContext
 class SelfAttention(nn.Module):
     """qkv_proj (q/k/v merged) -> [per-head q/k RMSNorm] -> rotary -> K/V store -> paged attention -> o_proj.
 
-    Without q/k norms, rotary and the K/V store run in one backend call straight from the qkv rows and apply
-    qkv_proj's deferred FP8 part_scales (with q/k norms qkv_proj merges per row instead: an RMSNorm before RoPE
-    would absorb a ratio). When o_proj is static FP8, attention writes its output as o_proj's float8_e4m3fn input.
+    Rotary and the K/V store run in one backend call straight from the qkv rows, the per-head q/k RMSNorms too where
+    the model has them; without them the call applies qkv_proj's deferred FP8 part_scales (with them qkv_proj merges
+    per row instead: an RMSNorm before RoPE would absorb a ratio). When o_proj is static FP8, attention writes its
+    output as o_proj's float8_e4m3fn input.
     sliding_window, logit_softcap, scale: the attention's (layers.attention.Attention).
     """
 
@@ -41,16 +42,9 @@ class SelfAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """hidden [T, hidden] (float8_e4m3fn when qkv_proj takes static FP8 input) -> [T, hidden]."""
         qkv = self.qkv_proj(hidden)
-        out_scale = self.o_proj.fp8_input_scale
-        if self.q_norm is None:  # rotary (with part_scales) and the K/V store straight from the qkv rows, one launch
-            return self.o_proj(self.attn.forward_qkv(qkv, self.rotary[0].cos_sin_cache, self.qkv_proj.part_scales,
-                                                     ctx, out_scale))
-        q, k, v = qkv.split(self.sizes, dim=-1)
-        t = hidden.shape[0]
-        q = self.q_norm(q.view(t, -1, self.head_dim)).view(t, -1)
-        k = self.k_norm(k.view(t, -1, self.head_dim)).view(t, -1)
-        q, k = self.rotary[0](ctx.positions, q, k)
-        return self.o_proj(self.attn(q, k, v, ctx, out_scale))
+        qk_norm = None if self.q_norm is None else (self.q_norm.scale(), self.k_norm.scale(), self.q_norm.eps)
+        return self.o_proj(self.attn.forward_qkv(qkv, self.rotary[0].cos_sin_cache, self.qkv_proj.part_scales, ctx,
+                                                 self.o_proj.fp8_input_scale, qk_norm))
 
 
 class GatedMLP(nn.Module):

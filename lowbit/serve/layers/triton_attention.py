@@ -28,9 +28,9 @@ class TritonAttentionBackend:
 
     @staticmethod
     def rotary_store_kv(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales, kv_cache,
-                        slot_mapping, k_scale, v_scale) -> torch.Tensor:
+                        slot_mapping, k_scale, v_scale, qk_norm=None) -> torch.Tensor:
         return rotary_store_kv(qkv, num_q_heads, num_k_heads, positions, cos_sin_cache, part_scales, kv_cache,
-                               slot_mapping, k_scale, v_scale)
+                               slot_mapping, k_scale, v_scale, qk_norm)
 
     @staticmethod
     def attend(q, kv_cache, ctx: StepContext, scale: float, k_scale, v_scale, out_scale=None, sliding_window=None,
