@@ -4,6 +4,7 @@
 #                                             # differently, step by step, with the reference's router gap there
 #   bash dev/scripts/h200_wave2f.sh tests     # the rotary/q-k-norm, MoE and graph GPU tests
 #   bash dev/scripts/h200_wave2f.sh checks    # engine checks: Qwen3-MoE (5 formats), Gemma 3 (bf16, fp8)
+#   bash dev/scripts/h200_wave2f.sh profile   # Qwen3-30B-A3B fp8 batch-1 decode step, kernel by kernel
 #   bash dev/scripts/h200_wave2f.sh decode    # lowbit bench serve --model qwen3-30b-a3b fp8 (batch-1 decode, maximum
 #                                             # load): this tree, then .oldmain (carried: `git archive HEAD lowbit |
 #                                             # tar -x -C .oldmain` of the commit before the change)
@@ -35,6 +36,11 @@ checks)  # the engine checks: Qwen3-MoE in five formats, Gemma 3 (per-head q/k n
             --formats ${model##*:} --check-layers 2 --json "$OUT/check_${model%%:*}.json" 2>&1 \
             | grep -E '^\[check|Error' | grep -oE '^\[check[^ ]* [0-9.]+s|"(batch[12]_)?(logits_rel_err_max|router_tie_steps)": [^,]*|"pass": [a-z]*|Error.*'
     done
+    ;;
+profile)
+    PYTHONPATH=$PWD timeout 200 python3 dev/bench/kernel_profile.py --model qwen3-30b-a3b --format fp8 \
+        --decode 1x512 --prefill '' --top 40 --json "$OUT/profile_fp8.json" 2>&1 | grep -v '^\[lowbit\]' \
+        | tee "$OUT/profile_fp8.log" | tail -45
     ;;
 decode)
     decode fused "$PWD"
