@@ -4,6 +4,8 @@
 #                                             # differently, step by step, with the reference's router gap there
 #   bash dev/scripts/h200_wave2f.sh tests     # the rotary/q-k-norm, MoE and graph GPU tests
 #   bash dev/scripts/h200_wave2f.sh checks    # engine checks: Qwen3-MoE (5 formats), Gemma 3 (bf16, fp8)
+#   bash dev/scripts/h200_wave2f.sh formats   # batch 1 and 256 x 128/128 of bf16, int4_awq, nvfp4, w8a8_sq experts
+#   bash dev/scripts/h200_wave2f.sh moemax    # fp8: batch 1 and maximum load at 768 x 1000/1000
 #   bash dev/scripts/h200_wave2f.sh profile   # Qwen3-30B-A3B fp8 batch-1 decode step, kernel by kernel
 #   bash dev/scripts/h200_wave2f.sh decode    # lowbit bench serve --model qwen3-30b-a3b fp8 (batch-1 decode, maximum
 #                                             # load): this tree, then .oldmain (carried: `git archive HEAD lowbit |
@@ -45,6 +47,16 @@ profile)
 decode)
     decode fused "$PWD"
     decode before "$PWD/.oldmain"
+    ;;
+formats)  # batch 1 and maximum load at 256 x 128/128 of the other expert kinds, this tree
+    PYTHONPATH=$PWD timeout 420 python3 -m lowbit.cli bench serve --model qwen3-30b-a3b --phases formats \
+        --formats bf16,int4_awq,nvfp4,w8a8_sq --num-requests 256 --json "$OUT/serve_formats.json" 2>&1 \
+        | grep -E '^\[serve|Error' | cut -c1-300
+    ;;
+moemax)  # fp8: batch 1, then maximum load at 768 x 1000/1000
+    PYTHONPATH=$PWD timeout 420 python3 -m lowbit.cli bench serve --model qwen3-30b-a3b --phases formats,extra \
+        --formats fp8 --num-requests 256 --extra 1000/1000/768 --json "$OUT/serve_fp8_1000.json" 2>&1 \
+        | grep -E '^\[|Error' | cut -c1-400
     ;;
 esac
 done
