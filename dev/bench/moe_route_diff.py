@@ -15,29 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lowbit.bench import serve_bench as bench  # noqa: E402
-from lowbit.serve.layers import ops  # noqa: E402
-
-
-def recorded(engine, run_path):
-    """run_path() under a recorder: -> per step, per router call (layer order), (fp32 logits, ids)."""
-    steps, route, run = [], ops.moe_route, engine.runner.run
-
-    def recording_route(logits, top_k, renormalize):
-        w, ids = ops_route[0](logits, top_k, renormalize)
-        steps[-1].append((logits.float().cpu(), ids.cpu()))
-        return w, ids
-
-    def recording_run(*a, **kw):
-        steps.append([])
-        return run(*a, **kw)
-
-    ops_route = [route]
-    engine.runner.run = recording_run
-    try:
-        out = run_path(lambda: setattr(ops, "moe_route", recording_route), ops_route)
-    finally:
-        engine.runner.run, ops.moe_route = run, route
-    return steps, out
+from lowbit.bench.route_ties import recording_routes  # noqa: E402
 
 
 def main() -> int:
@@ -56,19 +34,11 @@ def main() -> int:
     for b, rows in bench.SMALL_BATCHES.items():
         sub = [prompts[i] for i in rows]
 
-        def reference(install, holder):
-            with bench.reference_path(engine):
-                holder[0] = ops.moe_route  # the reference's router, inside its swap
-                install()
-                return bench.greedy_with_logits(engine, sub, 12)
-
-        ref_steps, (tok_r, logits_r, picks_r) = recorded(engine, reference)
-
-        def kernels(install, holder):
-            install()
-            return bench.greedy_with_logits(engine, sub, 12, forced=picks_r)
-
-        ker_steps, (_, logits_k, _) = recorded(engine, kernels)
+        ref_steps, ker_steps = [], []
+        with bench.reference_path(engine), recording_routes(engine, ref_steps):
+            tok_r, logits_r, picks_r = bench.greedy_with_logits(engine, sub, 12)
+        with recording_routes(engine, ker_steps):
+            _, logits_k, _ = bench.greedy_with_logits(engine, sub, 12, forced=picks_r)
         for s, (rs, ks) in enumerate(zip(ref_steps, ker_steps)):
             err = ((logits_k[s] - logits_r[s]).norm() / logits_r[s].norm()).item()
             diffs = []
