@@ -1,8 +1,8 @@
 """Where the NVFP4 activation loss sits: the shipped nvfp4 recipe calibrated once (fake-quant model, 4 x 512
 calibration tokens), then held-out perplexity with the NVFP4 input quantizers on for one kind of linear at a time
-(weights and KV cache stay quantized), and per-layer with --layers.
+(weights and KV cache stay quantized), and per band of layers with --band.
 
-    OMP_NUM_THREADS=1 python3 dev/bench/nvfp4_act_split.py [--layers] [--num-seqs 4]
+    OMP_NUM_THREADS=1 python3 dev/bench/nvfp4_act_split.py [--band 5] [--no-kinds] [--num-seqs 4]
 """
 import argparse
 import json
@@ -28,7 +28,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-seqs", type=int, default=4)
     ap.add_argument("--num-samples", type=int, default=4)
-    ap.add_argument("--layers", action="store_true", help="also one layer's inputs at a time (all kinds)")
+    ap.add_argument("--band", type=int, default=0, help="also the inputs of BAND consecutive layers at a time")
+    ap.add_argument("--no-kinds", action="store_true", help="skip the per-kind rows")
     a = ap.parse_args()
     torch.set_num_threads(1)
     recipe = variant("nvfp4", {}, a.num_samples)
@@ -49,13 +50,14 @@ def main() -> int:
         ppl = perplexity(model, seqs)
         print(json.dumps({"inputs_on": label, **{s: round(v, 3) for s, v in ppl.items()}}), flush=True)
 
-    run("none", lambda n: False)
-    run("all", lambda n: True)
-    for kind, leaves in KINDS.items():
-        run(kind, lambda n, leaves=leaves: n.rsplit(".", 1)[-1] in leaves)
-    if a.layers:
-        for i in range(model.config.num_hidden_layers):
-            run(f"layer {i}", lambda n, i=i: f".layers.{i}." in n)
+    if not a.no_kinds:
+        run("none", lambda n: False)
+        run("all", lambda n: True)
+        for kind, leaves in KINDS.items():
+            run(kind, lambda n, leaves=leaves: n.rsplit(".", 1)[-1] in leaves)
+    for lo in range(0, model.config.num_hidden_layers, a.band or model.config.num_hidden_layers + 1):
+        band = range(lo, min(lo + a.band, model.config.num_hidden_layers))
+        run(f"layers {band.start}-{band.stop - 1}", lambda n, band=band: int(n.split(".layers.")[1].split(".")[0]) in band)
     return 0
 
 

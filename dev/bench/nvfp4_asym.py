@@ -1,4 +1,4 @@
-"""NVFP4 with each linear's weights corrected for its quantized inputs (lowbit/calibrate/nvfp4_asym.py) instead of the
+"""NVFP4 with each linear's weights corrected for its quantized inputs (dev/bench/nvfp4_asym_correct.py) instead of the
 shipped block-scale search alone: the nvfp4 recipe max-calibrated (4 x 512 calibration tokens), then the sequential
 correction + search for each damping, measured on the fake-quant model (4 held-out sequences per source).
 
@@ -18,7 +18,7 @@ from lowbit.bench.accuracy import heldout, perplexity  # noqa: E402
 from lowbit.bench.accuracy_variants import variant  # noqa: E402
 from lowbit.calibrate.data import builtin_texts, token_batches  # noqa: E402
 from lowbit.calibrate.loop import calibrate  # noqa: E402
-from lowbit.calibrate.nvfp4_asym import nvfp4_asym_correct  # noqa: E402
+from nvfp4_asym_correct import nvfp4_asym_correct  # noqa: E402
 from lowbit.calibrate.nvfp4_clip import _share_weight_amax  # noqa: E402
 from lowbit.models import DEFAULT_MODEL, resolve  # noqa: E402
 from lowbit.quantize.api import load_float_model  # noqa: E402
@@ -27,6 +27,7 @@ from lowbit.quantize.api import load_float_model  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--damps", type=float, nargs="+", default=[0.01, 0.1])
+    ap.add_argument("--diag", action="store_true", help="one gain per input channel instead of the full regression")
     ap.add_argument("--num-seqs", type=int, default=4)
     ap.add_argument("--num-samples", type=int, default=4)
     a = ap.parse_args()
@@ -44,10 +45,10 @@ def main() -> int:
     for damp in a.damps:
         model = copy.deepcopy(base)
         t0 = time.time()
-        nvfp4_asym_correct(model, float_model, batches, damp)
+        nvfp4_asym_correct(model, float_model, batches, damp, a.diag)
         seconds = time.time() - t0
         ppl = perplexity(model, seqs)
-        print(json.dumps({"damp": damp, "correct_s": round(seconds), **{s: round(x, 3) for s, x in ppl.items()}}),
+        print(json.dumps({"damp": damp, "diag": a.diag, "correct_s": round(seconds), **{s: round(x, 3) for s, x in ppl.items()}}),
               flush=True)
     return 0
 

@@ -1,4 +1,4 @@
-"""NVFP4 with per-channel smoothing folded into the float weights (lowbit/calibrate/smooth_fold.py): for each
+"""NVFP4 with per-channel smoothing folded into the float weights (dev/bench/nvfp4_smooth_fold.py): for each
 variant the float model is smoothed (float logits checked against the original), calibrated with the shipped nvfp4
 recipe (4 x 512 calibration tokens) and measured on the fake-quant model (4 held-out sequences per source).
 
@@ -18,7 +18,7 @@ from lowbit.bench.accuracy import heldout, perplexity  # noqa: E402
 from lowbit.bench.accuracy_variants import variant  # noqa: E402
 from lowbit.calibrate.data import builtin_texts, token_batches  # noqa: E402
 from lowbit.calibrate.loop import calibrate, forward_loop  # noqa: E402
-from lowbit.calibrate.smooth_fold import GROUPS, reorder, smooth  # noqa: E402
+from nvfp4_smooth_fold import GROUPS, reorder, smooth  # noqa: E402
 from lowbit.models import DEFAULT_MODEL, resolve  # noqa: E402
 from lowbit.quantize.api import load_float_model  # noqa: E402
 

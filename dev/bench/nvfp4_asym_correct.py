@@ -1,4 +1,6 @@
-"""NVFP4 weights corrected for the inputs the quantized model feeds them (sequential, layer by layer), then block-scale
+"""Experiment (not shipped: no gain on the embedded model, docs/accuracy.md).
+
+NVFP4 weights corrected for the inputs the quantized model feeds them (sequential, layer by layer), then block-scale
 searched: each linear's float weight W becomes the least-squares W' that maps the quantized model's NVFP4 inputs X~
 onto the float model's outputs X W^T, ridge-damped toward W:
 
@@ -67,8 +69,14 @@ def _capture(layer, h, kw, modules: list[nn.Module], post: bool) -> list[torch.T
 
 
 @torch.no_grad()
-def correct_group(linears: list[nn.Linear], x: torch.Tensor, xq: torch.Tensor, damp: float) -> None:
-    """linears reading one input: W <- ridge least squares onto x's outputs from xq, shared amax, block search."""
+def correct_group(linears: list[nn.Linear], x: torch.Tensor, xq: torch.Tensor, damp: float, diag: bool = False) -> None:
+    """linears reading one input: W <- ridge least squares onto x's outputs from xq (diag: one gain per input
+    channel, c_j = E[x_j xq_j] / (E[xq_j^2] + lam)), shared amax, block search."""
+    if diag:
+        d = xq.pow(2).sum(0)
+        c = (x * xq).sum(0) / (d + damp * d.mean())
+        news = [lin.weight.double() * c[None, :] for lin in linears]
+        return _set(linears, news, xq)
     h = xq.T @ xq
     lam = damp * h.diagonal().mean()
     h.diagonal().add_(lam)
@@ -78,6 +86,10 @@ def correct_group(linears: list[nn.Linear], x: torch.Tensor, xq: torch.Tensor, d
     for lin in linears:
         w = lin.weight.double()
         news.append(torch.cholesky_solve(c @ w.T + lam * w.T, chol).T)
+    _set(linears, news, xq)
+
+
+def _set(linears, news, xq) -> None:
     amax = torch.stack([n.abs().amax() for n in news]).amax().float()
     sq = xq.pow(2).sum(0).float()
     for lin, new in zip(linears, news):
@@ -87,7 +99,8 @@ def correct_group(linears: list[nn.Linear], x: torch.Tensor, xq: torch.Tensor, d
 
 
 @torch.no_grad()
-def nvfp4_asym_correct(model: nn.Module, float_model: nn.Module, batches: list[list[int]], damp: float) -> None:
+def nvfp4_asym_correct(model: nn.Module, float_model: nn.Module, batches: list[list[int]], damp: float,
+                       diag: bool = False) -> None:
     """Sequentially corrects and block-searches every NVFP4 linear of model (max-calibrated fake-quant) against
     float_model (the same weights, unquantized)."""
     if model.config.model_type not in ("llama", "mistral", "qwen2", "qwen3"):
@@ -99,5 +112,5 @@ def nvfp4_asym_correct(model: nn.Module, float_model: nn.Module, batches: list[l
         xs = _capture(lf, hf, kw, [g[0] for g in _groups(lf)], post=False)
         for x, gq in zip(xs, _groups(lq)):
             xq, = _capture(lq, hq, kw, [gq[0].input_quantizer], post=True)
-            correct_group(gq, x, xq, damp)
+            correct_group(gq, x, xq, damp, diag)
         hf, hq = _run(lf, hf, kw), _run(lq, hq, kw)

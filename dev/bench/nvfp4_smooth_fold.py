@@ -1,4 +1,6 @@
-"""Per-channel smoothing folded exactly into the float weights (no pre_quant_scale): a linear's input channel j is
+"""Experiment (not shipped: no gain on the embedded model, docs/accuracy.md).
+
+Per-channel smoothing folded exactly into the float weights (no pre_quant_scale): a linear's input channel j is
 divided by s_j and its weight column j multiplied by s_j, the division done by the op that writes the input.
 
 Where the division goes (Llama-family decoder layer; every fold is exact in float):
