@@ -28,6 +28,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--damps", type=float, nargs="+", default=[0.01, 0.1])
     ap.add_argument("--diag", action="store_true", help="one gain per input channel instead of the full regression")
+    ap.add_argument("--drift-only", action="store_true", help="regress from the inputs before their NVFP4 rounding")
     ap.add_argument("--num-seqs", type=int, default=4)
     ap.add_argument("--num-samples", type=int, default=4)
     a = ap.parse_args()
@@ -45,11 +46,11 @@ def main() -> int:
     for damp in a.damps:
         model = copy.deepcopy(base)
         t0 = time.time()
-        nvfp4_asym_correct(model, float_model, batches, damp, a.diag)
+        nvfp4_asym_correct(model, float_model, batches, damp, a.diag, a.drift_only)
         seconds = time.time() - t0
         ppl = perplexity(model, seqs)
-        print(json.dumps({"damp": damp, "diag": a.diag, "correct_s": round(seconds), **{s: round(x, 3) for s, x in ppl.items()}}),
-              flush=True)
+        print(json.dumps({"damp": damp, "diag": a.diag, "drift_only": a.drift_only, "correct_s": round(seconds),
+                          **{s: round(x, 3) for s, x in ppl.items()}}), flush=True)
     return 0
 
 

@@ -100,7 +100,7 @@ def _set(linears, news, xq) -> None:
 
 @torch.no_grad()
 def nvfp4_asym_correct(model: nn.Module, float_model: nn.Module, batches: list[list[int]], damp: float,
-                       diag: bool = False) -> None:
+                       diag: bool = False, drift_only: bool = False) -> None:
     """Sequentially corrects and block-searches every NVFP4 linear of model (max-calibrated fake-quant) against
     float_model (the same weights, unquantized)."""
     if model.config.model_type not in ("llama", "mistral", "qwen2", "qwen3"):
@@ -111,6 +111,7 @@ def nvfp4_asym_correct(model: nn.Module, float_model: nn.Module, batches: list[l
     for lf, lq in zip(float_model.model.layers, model.model.layers):
         xs = _capture(lf, hf, kw, [g[0] for g in _groups(lf)], post=False)
         for x, gq in zip(xs, _groups(lq)):
-            xq, = _capture(lq, hq, kw, [gq[0].input_quantizer], post=True)
+            # drift_only: the regressor is the input before its NVFP4 rounding (earlier layers' drift only)
+            xq, = _capture(lq, hq, kw, [gq[0].input_quantizer], post=not drift_only)
             correct_group(gq, x, xq, damp, diag)
         hf, hq = _run(lf, hf, kw), _run(lq, hq, kw)
