@@ -108,14 +108,15 @@ class Hessians:
 
 @torch.no_grad()
 def gptq_round(model: nn.Module, forward_loop, damp: float = 0.01, block: int = 128,
-               static_groups: bool = False) -> None:
+               static_groups: bool = False, skip: tuple[str, ...] | list[str] = ()) -> None:
     """Replace every calibrated int4 group weight by its GPTQ rounding and its amax by the scales the rounding
-    used, in place. Hessians come from one pass of `forward_loop(model)` with the calibrated fake quantizers on."""
+    used, in place; linears whose name ends with one of `skip` keep their calibrated rounding to nearest.
+    Hessians come from one pass of `forward_loop(model)` with the calibrated fake quantizers on."""
     from lowbit.calibrate.resmooth import share_pre_quant_scales
     from lowbit.progress import Progress
 
     share_pre_quant_scales(model)
-    layers = quantized_linears(model)
+    layers = [(n, m) for n, m in quantized_linears(model) if not n.endswith(tuple(skip))]
     scales = {name: group_scales(m) for name, m in layers}
     hessians = Hessians(layers)
     try:
