@@ -1,19 +1,29 @@
 """Experiment (issue 35): levers on top of int4_awq's AWQ-lite + re-smoothing, each on a copy of one AWQ-lite model;
 held-out perplexity of the fake-quantized embedded model (bench/accuracy.py's windows) and each step's seconds.
 Targets (docs/accuracy.md: float 22.06 / 56.75, int4_rtn 33.34 / 80.07): <= 40 % of RTN's loss = 26.58 / 66.08.
-Usage: OMP_NUM_THREADS=1 python3 dev/bench/int4_levers.py [sink-free] clip seqclip clip+gptq:down_proj clip+gptq-static:down_proj"""
+A variant is steps joined by '+', a step `kind[:key=value...]`: clip, seqclip (tokens=, min=, step=, n=
+calibration sequences), jclip (sweeps=, skip=, n=), gptq / gptq-static (skip=a,b, damp=, n=). The AWQ-lite model is cached (modelopt's
+save/restore) in --cache.
+Usage: OMP_NUM_THREADS=1 python3 dev/bench/int4_levers.py [--sink-free] clip seqclip clip:n=32 clip+gptq:skip=down_proj"""
+import argparse
+import contextlib
 import copy
-import sys
+import os
 import time
 
+import modelopt.torch.opt as mto
 import torch
 
-from lowbit.bench.accuracy import perplexity
+from lowbit import models
+from lowbit.bench.accuracy import heldout, perplexity
 from lowbit.calibrate.awq_clip import awq_clip_search
+from lowbit.calibrate.data import builtin_texts, token_batches
 from lowbit.calibrate.gptq import gptq_round
 from lowbit.calibrate.loop import forward_loop
+from lowbit.quantize.api import load_float_model
 
 from awq_lite_base import awq_lite_model  # dev/bench, beside this script
+from int4_joint_clip import joint_clip_search
 from int4_sequential import sequential_clip_search
 from int4_sink import sink_free_act_scale
 
@@ -24,30 +34,44 @@ def of_rtn(ppl: dict) -> str:
     return " ".join(f"{s} {v:.2f} ({(v / FLOAT[s] - 1) / (RTN[s] / FLOAT[s] - 1):.0%} of RTN)" for s, v in ppl.items())
 
 
-def step(model, batches, name: str) -> None:
-    kind, _, arg = name.partition(":")
-    loop = forward_loop(batches, desc=name)
+def step(model, tok, name: str) -> None:
+    kind, *pairs = name.split(":")
+    a = dict(p.split("=") for p in pairs)
+    batches = token_batches(tok, builtin_texts("boolq", "calib"), int(a.get("n", 8)), 512, 0)
+    clip = {"max_tokens_per_batch": int(a.get("tokens", 64)), "min_clip_ratio": float(a.get("min", 0.5)),
+            "shrink_step": float(a.get("step", 0.05))}
     if kind == "clip":
-        awq_clip_search(model, loop)
+        awq_clip_search(model, forward_loop(batches, desc=name), **clip)
     elif kind == "seqclip":
-        sequential_clip_search(model, batches)
+        sequential_clip_search(model, batches, **clip)
+    elif kind == "jclip":
+        joint_clip_search(model, forward_loop(batches, desc=name), clip["min_clip_ratio"], clip["shrink_step"],
+                          int(a.get("sweeps", 2)), tuple(a["skip"].split(",")) if "skip" in a else ())
     elif kind in ("gptq", "gptq-static"):
-        gptq_round(model, loop, static_groups=kind == "gptq-static", skip=tuple(arg.split(",")) if arg else ())
+        gptq_round(model, forward_loop(batches, desc=name), damp=float(a.get("damp", 0.01)),
+                   static_groups=kind == "gptq-static", skip=tuple(a["skip"].split(",")) if "skip" in a else ())
     else:
         raise SystemExit(f"unknown step {name!r}")
 
 
+p = argparse.ArgumentParser()
+p.add_argument("variants", nargs="+")
+p.add_argument("--sink-free", action="store_true", help="AWQ-lite's act_scale without each sequence's first token")
+p.add_argument("--cache", default="/tmp/int4/awq_lite_base.pt")
+args = p.parse_args()
 torch.set_num_threads(1)
-variants = sys.argv[1:]
-if variants[0] == "sink-free":  # AWQ-lite's act_scale without each sequence's first token
-    variants = variants[1:]
-    with sink_free_act_scale():
-        model, seqs, batches = awq_lite_model()
+if os.path.exists(args.cache) and not args.sink_free:
+    float_model, tok = load_float_model(models.resolve(models.DEFAULT_MODEL))
+    model, seqs = mto.restore(float_model, args.cache), heldout(tok, 8)
 else:
-    model, seqs, batches = awq_lite_model()
-for variant in variants:
+    with sink_free_act_scale() if args.sink_free else contextlib.nullcontext():
+        model, seqs, _ = awq_lite_model()
+    if not args.sink_free:
+        mto.save(model, args.cache)
+    _, tok = load_float_model(models.resolve(models.DEFAULT_MODEL))
+for variant in args.variants:
     m = copy.deepcopy(model)
     t0 = time.time()
     for name in variant.split("+"):
-        step(m, batches, name)
+        step(m, tok, name)
     print(f"{variant}: {time.time() - t0:.0f} s; {of_rtn(perplexity(m, seqs))}", flush=True)

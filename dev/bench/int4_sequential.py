@@ -47,7 +47,7 @@ def sequential_clip_search(model, batches, max_tokens_per_batch: int = 64, min_c
                    and m.weight_quantizer.block_sizes is not None]
         searches = {id(m): _GroupClip(m, ratios) for m in linears}  # weight quantizers off: float weights
         hooks = [m.register_forward_pre_hook(lambda mod, args: searches[id(mod)].add(
-            mod, mod.input_quantizer(args[0]), max_tokens_per_batch)) for m in linears]
+            mod.input_quantizer(args[0]), max_tokens_per_batch)) for m in linears]
         try:
             for h, kw in calls:
                 layer(h, **kw)
@@ -55,6 +55,6 @@ def sequential_clip_search(model, batches, max_tokens_per_batch: int = 64, min_c
             for hk in hooks:
                 hk.remove()
         for m in linears:
-            m.weight_quantizer.amax = searches[id(m)].best_amax()
+            m.weight_quantizer.amax = searches[id(m)].best_amax(m)
             m.weight_quantizer.enable()
         calls = [(_out(layer(h, **kw)), kw) for h, kw in calls]  # the quantized layer's outputs feed the next
