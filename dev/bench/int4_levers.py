@@ -2,7 +2,7 @@
 held-out perplexity of the fake-quantized embedded model (bench/accuracy.py's windows) and each step's seconds.
 Targets (docs/accuracy.md: float 22.06 / 56.75, int4_rtn 33.34 / 80.07): <= 40 % of RTN's loss = 26.58 / 66.08.
 A variant is steps joined by '+', a step `kind[:key=value...]`: clip, seqclip (tokens=, min=, step=, n=
-calibration sequences), jclip (sweeps=, skip=, n=), gptq / gptq-static (skip=a,b, damp=, n=). The AWQ-lite model is cached (modelopt's
+calibration sequences), jclip (lowbit's, skip=, n=), jclip-dev (sweeps=, skip=, n=), gptq / gptq-static (skip=a,b, damp=, n=). The AWQ-lite model is cached (modelopt's
 save/restore) in --cache.
 Usage: OMP_NUM_THREADS=1 python3 dev/bench/int4_levers.py [--sink-free] clip seqclip clip:n=32 clip+gptq:skip=down_proj"""
 import argparse
@@ -19,6 +19,7 @@ from lowbit.bench.accuracy import heldout, perplexity
 from lowbit.calibrate.awq_clip import awq_clip_search
 from lowbit.calibrate.data import builtin_texts, token_batches
 from lowbit.calibrate.gptq import gptq_round
+from lowbit.calibrate.joint_clip import joint_clip_refine
 from lowbit.calibrate.loop import forward_loop
 from lowbit.quantize.api import load_float_model
 
@@ -44,9 +45,12 @@ def step(model, tok, name: str) -> None:
         awq_clip_search(model, forward_loop(batches, desc=name), **clip)
     elif kind == "seqclip":
         sequential_clip_search(model, batches, **clip)
-    elif kind == "jclip":
+    elif kind == "jclip-dev":
         joint_clip_search(model, forward_loop(batches, desc=name), clip["min_clip_ratio"], clip["shrink_step"],
                           int(a.get("sweeps", 2)), tuple(a["skip"].split(",")) if "skip" in a else ())
+    elif kind == "jclip":
+        print(joint_clip_refine(model, forward_loop(batches, desc=name), clip["min_clip_ratio"], clip["shrink_step"],
+                                tuple(a["skip"].split(",")) if "skip" in a else ()), flush=True)
     elif kind in ("gptq", "gptq-static"):
         gptq_round(model, forward_loop(batches, desc=name), damp=float(a.get("damp", 0.01)),
                    static_groups=kind == "gptq-static", skip=tuple(a["skip"].split(",")) if "skip" in a else ())

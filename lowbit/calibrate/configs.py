@@ -42,10 +42,14 @@ def check_algorithm(recipe: Recipe) -> None:
         raise UserError(f"{recipe.source}: missing required key 'group_size' for {recipe.quant_algo}")
 
 
+# algorithm_args lowbit applies itself (calibrate/loop.py, joint_clip.py); modelopt refuses them
+LOWBIT_ARGS = ("awq_lite_samples", "joint_clip", "joint_clip_skip")
+
+
 def algorithm_config(recipe: Recipe):
     if recipe.algorithm in ("max", "rtn"):
         return "max"
-    return {"method": recipe.algorithm, **recipe.algorithm_args}
+    return {"method": recipe.algorithm, **{k: v for k, v in recipe.algorithm_args.items() if k not in LOWBIT_ARGS}}
 
 
 def modelopt_config(recipe: Recipe, model=None) -> dict:

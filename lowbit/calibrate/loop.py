@@ -71,7 +71,10 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
 
             lite = {k: v for k, v in cfg["algorithm"].items() if k not in CLIP_ARGS}
             cfg["algorithm"] = lite | {"method": "awq_lite"}
-        model = mtq.quantize(model, cfg, forward_loop(batches, desc=f"calibrating {recipe.name}",
+        # AWQ-lite's scale search (one forward per alpha per linear) is the slow pass: it may see only the first
+        # sequences (awq_lite_samples, at most all of them), the passes after it (clip search, GPTQ) all of them
+        first = batches[:recipe.algorithm_args.get("awq_lite_samples", len(batches))] if config is None else batches
+        model = mtq.quantize(model, cfg, forward_loop(first, desc=f"calibrating {recipe.name}",
                                                     later_passes=f"{recipe.algorithm} pass"))
         if own_clip:
             from lowbit.calibrate.awq_clip import awq_clip_search
@@ -82,6 +85,15 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
             share_pre_quant_scales(model)
             args = {k: v for k, v in recipe.algorithm_args.items() if k in CLIP_ARGS}
             awq_clip_search(model, forward_loop(batches, desc=f"AWQ clip search {recipe.name}"), **args)
+            if recipe.algorithm_args.get("joint_clip"):
+                from lowbit.calibrate.joint_clip import joint_clip_refine
+
+                t1 = time.time()
+                grid = {k: v for k, v in args.items() if k != "max_tokens_per_batch"}
+                changed, total = joint_clip_refine(model, forward_loop(batches, desc=f"joint clip {recipe.name}"),
+                                                   skip=recipe.algorithm_args.get("joint_clip_skip", ()), **grid)
+                print(f"[lowbit] joint clip refinement: {changed} of {total} groups moved ({time.time() - t1:.1f} s)",
+                      file=sys.stderr)
         if recipe.rounding == "gptq" and config is None:
             from lowbit.calibrate.gptq import gptq_round
 
