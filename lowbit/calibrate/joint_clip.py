@@ -28,18 +28,17 @@ def refine_clips(module: nn.Module, h: torch.Tensor, ratios: list[float], sweeps
     wq = module.weight_quantizer
     group = wq.block_sizes[-1]
     out, inp = module.weight.shape
-    if inp % group:
-        raise ValueError(f"joint clip refinement needs in_features {inp} divisible by the group {group}")
     searched = wq.amax.clone()
-    group_max = module.weight.detach().float().reshape(-1, group).abs().amax(1, keepdim=True).to(searched.dtype)
+    padded = nn.functional.pad(module.weight.detach().float(), (0, -inp % group))  # modelopt pads the last group
+    group_max = padded.reshape(-1, group).abs().amax(1, keepdim=True).to(searched.dtype)
     cands = torch.stack([group_max * r for r in ratios]).view(len(ratios), out, -1)  # [R, out, groups]
     errs = torch.stack([_error(module, c.reshape(searched.shape)) for c in cands])  # [R, out, in]
     e = _error(module, searched)
     amax = searched.view(out, -1).clone()
     v = e @ h  # [out, in]
     for _ in range(sweeps):
-        for g in range(inp // group):
-            s = slice(g * group, (g + 1) * group)
+        for g in range(amax.shape[1]):
+            s = slice(g * group, min((g + 1) * group, inp))
             d = errs[:, :, s] - e[None, :, s]  # [R, out, g]
             delta = ((d @ h[s, s]) * d).sum(-1) + 2 * (d * v[None, :, s]).sum(-1)  # [R, out]
             best = delta.argmin(0)
