@@ -165,10 +165,6 @@ def _check_algorithm_args(r: Recipe, bad) -> None:
             bad("algorithm_args.joint_clip", f"{value!r} is not true or false")
         if key == "joint_clip_skip" and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
             bad("algorithm_args.joint_clip_skip", f"{value!r} is not a list of linear names")
-        if key.startswith("joint_clip") and (r.algorithm != "awq_full" or r.kv_cache is not None):
-            bad(f"algorithm_args.{key}", "applies to awq_full without kv_cache (after lowbit's clip search)")
-        if key == "awq_lite_samples" and not r.algorithm.startswith("awq"):
-            bad("algorithm_args.awq_lite_samples", f"applies to the AWQ algorithms, not {r.algorithm!r}")
 
 
 def _check_rounding_args(r: Recipe, bad) -> None:

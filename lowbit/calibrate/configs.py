@@ -40,6 +40,13 @@ def check_algorithm(recipe: Recipe) -> None:
                         f"{calib.block} wide")
     if calib.group_required and recipe.group_size is None:
         raise UserError(f"{recipe.source}: missing required key 'group_size' for {recipe.quant_algo}")
+    for key in recipe.algorithm_args:
+        if key.startswith("joint_clip") and (recipe.algorithm != "awq_full" or recipe.kv_cache is not None):
+            raise UserError(f"{recipe.source}: bad value for 'algorithm_args.{key}': applies to awq_full without "
+                            "kv_cache (after lowbit's clip search)")
+        if key == "awq_lite_samples" and not recipe.algorithm.startswith("awq"):
+            raise UserError(f"{recipe.source}: bad value for 'algorithm_args.awq_lite_samples': applies to the AWQ "
+                            f"algorithms, not {recipe.algorithm!r}")
 
 
 # algorithm_args lowbit applies itself (calibrate/loop.py, joint_clip.py); modelopt refuses them
