@@ -2,7 +2,7 @@
 held-out perplexity of the fake-quantized embedded model (bench/accuracy.py's windows) and each step's seconds.
 Targets (docs/accuracy.md: float 22.06 / 56.75, int4_rtn 33.34 / 80.07): <= 40 % of RTN's loss = 26.58 / 66.08.
 A variant is steps joined by '+', a step `kind[:key=value...]`: clip, seqclip (tokens=, min=, step=, n=
-calibration sequences), jclip (lowbit's, skip=, n=), jclip-dev (sweeps=, skip=, n=), gptq / gptq-static (skip=a,b, damp=, n=). The AWQ-lite model is cached (modelopt's
+calibration sequences), jclip (calibrate/joint_clip.py; skip=, n=), gptq / gptq-static (skip=a,b, damp=, n=). The AWQ-lite model is cached (modelopt's
 save/restore) in --cache.
 Usage: OMP_NUM_THREADS=1 python3 dev/bench/int4_levers.py [--sink-free] clip seqclip clip:n=32 clip+gptq:skip=down_proj"""
 import argparse
@@ -24,7 +24,6 @@ from lowbit.calibrate.loop import forward_loop
 from lowbit.quantize.api import load_float_model
 
 from awq_lite_base import awq_lite_model  # dev/bench, beside this script
-from int4_joint_clip import joint_clip_search
 from int4_sequential import sequential_clip_search
 from int4_sink import sink_free_act_scale
 
@@ -45,9 +44,6 @@ def step(model, tok, name: str) -> None:
         awq_clip_search(model, forward_loop(batches, desc=name), **clip)
     elif kind == "seqclip":
         sequential_clip_search(model, batches, **clip)
-    elif kind == "jclip-dev":
-        joint_clip_search(model, forward_loop(batches, desc=name), clip["min_clip_ratio"], clip["shrink_step"],
-                          int(a.get("sweeps", 2)), tuple(a["skip"].split(",")) if "skip" in a else ())
     elif kind == "jclip":
         print(joint_clip_refine(model, forward_loop(batches, desc=name), clip["min_clip_ratio"], clip["shrink_step"],
                                 tuple(a["skip"].split(",")) if "skip" in a else ()), flush=True)
