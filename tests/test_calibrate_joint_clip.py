@@ -150,3 +150,29 @@ def test_shipped_int4_awq_checkpoint_format_and_reader(tmp_path):
     reader, _ = load_reference_model(out)
     with torch.no_grad():
         assert rel_l2(reader(heldout).logits, fake_quant) < READER_REL
+
+
+def test_hessians_from_the_clip_search_pass_are_the_float_models():
+    """H collected during the clip search's pass (float weights) equals H of a plain float forward, each input
+    counted once although the search's own hook runs the input quantizer too."""
+    from lowbit.calibrate.awq_clip import awq_clip_search
+    from lowbit.calibrate.joint_clip import input_hessians
+    from lowbit.calibrate.resmooth import share_pre_quant_scales
+
+    data = batches()
+    model = calibrate(tiny_llama(), awq_recipe(algorithm="awq_lite"), data)
+    share_pre_quant_scales(model)
+    layers = quantized_linears(model)
+    for _, m in layers:
+        m.weight_quantizer.disable()
+    plain = Hessians(layers)
+    forward_loop(data, desc="float")(model)
+    plain.remove()
+    for _, m in layers:
+        m.weight_quantizer.enable()
+    during = input_hessians(model, skip=("down_proj",))
+    awq_clip_search(model, forward_loop(data, desc="clip"))
+    during.remove()
+    assert set(during.h) == {n for n, _ in layers if not n.endswith("down_proj")}
+    for name, h in during.h.items():
+        assert torch.allclose(h, plain.h[name], rtol=1e-5, atol=1e-6), name

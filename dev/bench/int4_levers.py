@@ -2,7 +2,7 @@
 held-out perplexity of the fake-quantized embedded model (bench/accuracy.py's windows) and each step's seconds.
 Targets (docs/accuracy.md: float 22.06 / 56.75, int4_rtn 33.34 / 80.07): <= 40 % of RTN's loss = 26.58 / 66.08.
 A variant is steps joined by '+', a step `kind[:key=value...]`: clip, seqclip (tokens=, min=, step=, n=
-calibration sequences), jclip (calibrate/joint_clip.py; skip=, n=), gptq / gptq-static (skip=a,b, damp=, n=). The AWQ-lite model is cached (modelopt's
+calibration sequences), jclip / jclip-float (calibrate/joint_clip.py, Hessians from the quantized / float model; skip=, n=), gptq / gptq-static (skip=a,b, damp=, n=). The AWQ-lite model is cached (modelopt's
 save/restore) in --cache.
 Usage: OMP_NUM_THREADS=1 python3 dev/bench/int4_levers.py [--sink-free] clip seqclip clip:n=32 clip+gptq:skip=down_proj"""
 import argparse
@@ -18,8 +18,8 @@ from lowbit import models
 from lowbit.bench.accuracy import heldout, perplexity
 from lowbit.calibrate.awq_clip import awq_clip_search
 from lowbit.calibrate.data import builtin_texts, token_batches
-from lowbit.calibrate.gptq import gptq_round
-from lowbit.calibrate.joint_clip import joint_clip_refine
+from lowbit.calibrate.gptq import gptq_round, quantized_linears
+from lowbit.calibrate.joint_clip import input_hessians, joint_clip_refine
 from lowbit.calibrate.loop import forward_loop
 from lowbit.quantize.api import load_float_model
 
@@ -34,6 +34,20 @@ def of_rtn(ppl: dict) -> str:
     return " ".join(f"{s} {v:.2f} ({(v / FLOAT[s] - 1) / (RTN[s] / FLOAT[s] - 1):.0%} of RTN)" for s, v in ppl.items())
 
 
+def float_weights(loop):
+    """forward_loop with every weight quantizer off during the pass."""
+    def run(model):
+        quantizers = [m.weight_quantizer for _, m in quantized_linears(model)]
+        for q in quantizers:
+            q.disable()
+        try:
+            loop(model)
+        finally:
+            for q in quantizers:
+                q.enable()
+    return run
+
+
 def step(model, tok, name: str) -> None:
     kind, *pairs = name.split(":")
     a = dict(p.split("=") for p in pairs)
@@ -44,9 +58,14 @@ def step(model, tok, name: str) -> None:
         awq_clip_search(model, forward_loop(batches, desc=name), **clip)
     elif kind == "seqclip":
         sequential_clip_search(model, batches, **clip)
-    elif kind == "jclip":
-        print(joint_clip_refine(model, forward_loop(batches, desc=name), clip["min_clip_ratio"], clip["shrink_step"],
-                                tuple(a["skip"].split(",")) if "skip" in a else ()), flush=True)
+    elif kind in ("jclip", "jclip-float"):  # Hessians from the quantized / the float model's inputs
+        hessians = input_hessians(model, tuple(a["skip"].split(",")) if "skip" in a else ())
+        loop = forward_loop(batches, desc=name)
+        try:
+            (float_weights(loop) if kind == "jclip-float" else loop)(model)
+        finally:
+            hessians.remove()
+        print(joint_clip_refine(model, hessians, clip["min_clip_ratio"], clip["shrink_step"]), flush=True)
     elif kind in ("gptq", "gptq-static"):
         gptq_round(model, forward_loop(batches, desc=name), damp=float(a.get("damp", 0.01)),
                    static_groups=kind == "gptq-static", skip=tuple(a["skip"].split(",")) if "skip" in a else ())

@@ -1,6 +1,6 @@
 """Joint clip refinement after the AWQ clip search: each output row's group clip ratios chosen together, by the
-error of the whole row's output over every calibration token, e^T H e (H = X^T X of the linear's inputs, GPTQ's
-Hessian), by coordinate descent over the groups from the searched ratios. The clip search scores each group alone
+error of the whole row's output over every calibration token, e^T H e (H = X^T X of the linear's inputs in the
+float model, collected during the clip search's pass; GPTQ's Hessian), by coordinate descent over the groups from the searched ratios. The clip search scores each group alone
 (the cross-group terms of that error dropped) on a token subsample. Same grid, same format: only amax changes.
 
 lowbit's own code (modelopt 0.47 has no such pass). Moving group g of row o from error e_g to e'_g (d = e'_g - e_g)
@@ -54,20 +54,21 @@ def refine_clips(module: nn.Module, h: torch.Tensor, ratios: list[float], sweeps
     return int((amax.reshape(searched.shape) != searched).sum())
 
 
+def input_hessians(model: nn.Module, skip: tuple[str, ...] | list[str] = ()) -> Hessians:
+    """Hooks that collect H of every int4 group linear not named in `skip` during the next forward pass (the clip
+    search's, on the float model's inputs); call .remove() after it."""
+    return Hessians([(n, m) for n, m in quantized_linears(model) if not n.endswith(tuple(skip))], before_linear=True)
+
+
 @torch.no_grad()
-def joint_clip_refine(model: nn.Module, forward_loop, min_clip_ratio: float = 0.5, shrink_step: float = 0.05,
-                      skip: tuple[str, ...] | list[str] = ()) -> tuple[int, int]:
-    """Refines every int4 group weight's clips except in linears whose name ends with one of `skip`; H from one pass
-    of `forward_loop(model)` with the calibrated fake quantizers on. Returns (groups changed, groups refined)."""
-    layers = [(n, m) for n, m in quantized_linears(model) if not n.endswith(tuple(skip))]
-    hessians = Hessians(layers)
-    try:
-        forward_loop(model)
-    finally:
-        hessians.remove()
+def joint_clip_refine(model: nn.Module, hessians: Hessians, min_clip_ratio: float = 0.5,
+                      shrink_step: float = 0.05) -> tuple[int, int]:
+    """Refines the clips of every linear `hessians` holds; returns (groups changed, groups refined)."""
+    modules = dict(model.named_modules())
     ratios = clip_ratios(min_clip_ratio, shrink_step)
     changed = total = 0
-    for name, m in layers:
+    for name in list(hessians.h):
+        m = modules[name]
         changed += refine_clips(m, hessians.h.pop(name), ratios)
         total += m.weight_quantizer.amax.numel()
     return changed, total

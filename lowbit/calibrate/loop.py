@@ -84,14 +84,20 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
             # rescales: done first, so the clips are searched on the weights the checkpoint holds
             share_pre_quant_scales(model)
             args = {k: v for k, v in recipe.algorithm_args.items() if k in CLIP_ARGS}
-            awq_clip_search(model, forward_loop(batches, desc=f"AWQ clip search {recipe.name}"), **args)
-            if recipe.algorithm_args.get("joint_clip"):
-                from lowbit.calibrate.joint_clip import joint_clip_refine
+            joint = recipe.algorithm_args.get("joint_clip")
+            if joint:  # its Hessians come from the clip search's pass
+                from lowbit.calibrate.joint_clip import input_hessians, joint_clip_refine
 
+                hessians = input_hessians(model, recipe.algorithm_args.get("joint_clip_skip", ()))
+            try:
+                awq_clip_search(model, forward_loop(batches, desc=f"AWQ clip search {recipe.name}"), **args)
+            finally:
+                if joint:
+                    hessians.remove()
+            if joint:
                 t1 = time.time()
                 grid = {k: v for k, v in args.items() if k != "max_tokens_per_batch"}
-                changed, total = joint_clip_refine(model, forward_loop(batches, desc=f"joint clip {recipe.name}"),
-                                                   skip=recipe.algorithm_args.get("joint_clip_skip", ()), **grid)
+                changed, total = joint_clip_refine(model, hessians, **grid)
                 print(f"[lowbit] joint clip refinement: {changed} of {total} groups moved ({time.time() - t1:.1f} s)",
                       file=sys.stderr)
         if recipe.rounding == "gptq" and config is None:
