@@ -159,6 +159,12 @@ def _check_algorithm_args(r: Recipe, bad) -> None:
             bad(f"algorithm_args.{key}", "0 is not a grid step (use a number in (0, 1])")
         if key == "max_tokens_per_batch" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             bad("algorithm_args.max_tokens_per_batch", f"{value!r} is not a positive integer")
+        if key == "awq_lite_samples" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            bad("algorithm_args.awq_lite_samples", f"{value!r} is not a positive integer")
+        if key == "joint_clip" and not isinstance(value, bool):
+            bad("algorithm_args.joint_clip", f"{value!r} is not true or false")
+        if key == "joint_clip_skip" and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
+            bad("algorithm_args.joint_clip_skip", f"{value!r} is not a list of linear names")
 
 
 def _check_rounding_args(r: Recipe, bad) -> None:

@@ -22,20 +22,20 @@ model, seqs, batches = awq_lite_model(args.num_samples)
 original = awq_clip._GroupClip.add
 
 
-def offset_rows(self, module, x, max_tokens):
+def offset_rows(self, x, max_tokens):
     """The same stride, started half a stride in (the same number of rows)."""
     flat = x.reshape(-1, x.shape[-1])
     stride = max(1, flat.shape[0] // max_tokens)
     rows = flat[stride // 2::stride]
-    return original(self, module, rows, rows.shape[0])
+    return original(self, rows, rows.shape[0])
 
 
-def no_first(self, module, x, max_tokens):
+def no_first(self, x, max_tokens):
     """The shipped stride over every row but each sequence's first ([batch, seq, in] inputs)."""
     flat = x.reshape(-1, x.shape[-1])
     stride = max(1, flat.shape[0] // max_tokens)
     rows = (x[:, 1:] if x.dim() == 3 else x[1:]).reshape(-1, x.shape[-1])[0::stride]
-    return original(self, module, rows, rows.shape[0])
+    return original(self, rows, rows.shape[0])
 
 
 for name, add in [("shipped (row 0 on)", original), ("offset by half a stride", offset_rows),

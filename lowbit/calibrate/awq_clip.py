@@ -7,10 +7,12 @@ The same search as modelopt 0.47's `awq_clip` (the second half of `awq_full`): t
 tokens of the squared error of that group's partial dot product, summed over calls) and the same tie rule (the
 smallest ratio wins). lowbit's own code because of cost: modelopt forms the error as an elementwise
 [out, tokens, in] product per ratio, and re-quantizes the whole weight for every block of output rows, about
-8 s per decoder layer and batch of the embedded model on a CPU; here the error of a ratio is one batched matrix
-product of the weight's quantization error with the tokens, group by group.
+8 s per decoder layer and batch of the embedded model on a CPU; here each forward call only adds its tokens'
+second moments per group, and each ratio is scored once at the end, so the search's cost hardly grows with the
+calibration sequences (the forward passes dominate).
 
-Loss of group g of row o: mean_t (x_t,g . (q(w)_o,g - w_o,g))^2, x_t,g the group's slice of token t.
+Loss of group g of row o: mean_t (x_t,g . e_o,g)^2 = e_o,g^T (mean_t x_t,g x_t,g^T) e_o,g, summed over calls,
+e = q(w) - w, x_t,g the group's slice of token t.
 """
 import torch
 from torch import nn
@@ -23,52 +25,53 @@ def clip_ratios(min_clip_ratio: float = 0.5, shrink_step: float = 0.05) -> list[
 
 
 class _GroupClip:
-    """One linear's search state: its max-calibrated amax [out * in/group, 1] and the summed loss per ratio."""
+    """One linear's search state: its max-calibrated amax [out * in/group, 1] and the second moments of each input
+    group over the sampled tokens, H_g = sum over calls of mean_t x_t,g x_t,g^T [groups, g, g]: a group's loss
+    at any ratio is e_o,g^T H_g e_o,g, so each token costs one rank-1 update and the ratios are scored once."""
 
     def __init__(self, module: nn.Module, ratios: list[float]):
         from modelopt.torch.quantization.model_calib import enable_stats_collection, finish_stats_collection
 
         wq = module.weight_quantizer
         self.group = wq.block_sizes[-1]
+        self.ratios = ratios
         wq.reset_amax()
         enable_stats_collection(wq)
         wq(module.weight)
         finish_stats_collection(wq)
         self.amax = wq.amax.clone()
-        out, inp = module.weight.shape
-        groups = -(-inp // self.group)
-        self.loss = {r: torch.zeros(out, groups, device=module.weight.device) for r in ratios}
+        groups = -(-module.weight.shape[1] // self.group)
+        self.h = torch.zeros(groups, self.group, self.group, device=module.weight.device)
         self.num_tokens = 0
         wq.disable()  # the calibration forward runs on float weights, as modelopt's does
 
-    def add(self, module: nn.Module, x: torch.Tensor, max_tokens: int) -> None:
-        """Adds one forward call's loss; x [..., in] is the linear's input after pre_quant_scale."""
+    def add(self, x: torch.Tensor, max_tokens: int) -> None:
+        """Adds one forward call's tokens; x [..., in] is the linear's input after pre_quant_scale."""
         x = x.reshape(-1, x.shape[-1])
         x = x[0::max(1, x.shape[0] // max_tokens)].float()  # [tokens, in]
         self.num_tokens += x.shape[0]
-        w = module.weight.float()
+        xg = nn.functional.pad(x, (0, -x.shape[1] % self.group)).reshape(x.shape[0], -1, self.group).transpose(0, 1)
+        self.h += torch.bmm(xg.transpose(1, 2), xg) / x.shape[0]  # [groups, g, g]
+
+    def best_amax(self, module: nn.Module) -> torch.Tensor:
+        """The amax of the least-loss ratio per group (a tie keeps the smaller ratio)."""
+        wq, w = module.weight_quantizer, module.weight.float()
         pad = -w.shape[1] % self.group
-        xg = nn.functional.pad(x, (0, pad)).reshape(x.shape[0], -1, self.group).permute(1, 2, 0)  # [groups, g, t]
-        wq = module.weight_quantizer
+        best_loss = torch.full_like(self.amax, float("inf"))
+        best = torch.zeros_like(self.amax)
         wq.enable()
         try:
-            for ratio, loss in self.loss.items():
+            for ratio in self.ratios:  # ascending, 1 last
                 wq.amax = self.amax * ratio
                 err = nn.functional.pad(wq(module.weight).float() - w, (0, pad))
                 err = err.reshape(err.shape[0], -1, self.group).transpose(0, 1)  # [groups, out, g]
-                loss += torch.bmm(err, xg).pow(2).mean(dim=2).transpose(0, 1)  # [out, groups]
+                loss = (torch.bmm(err, self.h) * err).sum(-1).transpose(0, 1).reshape_as(self.amax)  # [out * groups, 1]
+                better = loss < best_loss
+                best_loss = torch.where(better, loss, best_loss)
+                best = torch.where(better, self.amax * ratio, best)
         finally:
             wq.amax = self.amax
             wq.disable()
-
-    def best_amax(self) -> torch.Tensor:
-        best_loss = torch.full_like(self.amax, float("inf"))
-        best = torch.zeros_like(self.amax)
-        for ratio, loss in self.loss.items():  # ascending ratios, 1 last: a tie keeps the smaller ratio
-            loss = loss.view_as(self.amax)
-            better = loss < best_loss
-            best_loss = torch.where(better, loss, best_loss)
-            best = torch.where(better, self.amax * ratio, best)
         return best
 
 
@@ -86,7 +89,7 @@ def awq_clip_search(model: nn.Module, forward_loop, min_clip_ratio: float = 0.5,
                and m.weight_quantizer.block_sizes is not None]
     searches = {name: _GroupClip(m, ratios) for name, m in linears}
     hooks = [m.register_forward_pre_hook(
-        lambda mod, args, name=name: searches[name].add(mod, mod.input_quantizer(args[0]), max_tokens_per_batch))
+        lambda mod, args, name=name: searches[name].add(mod.input_quantizer(args[0]), max_tokens_per_batch))
         for name, m in linears]
     try:
         forward_loop(model)
@@ -95,5 +98,5 @@ def awq_clip_search(model: nn.Module, forward_loop, min_clip_ratio: float = 0.5,
             h.remove()
     for name, m in linears:
         if searches[name].num_tokens > 0:
-            m.weight_quantizer.amax = searches[name].best_amax()
+            m.weight_quantizer.amax = searches[name].best_amax(m)
         m.weight_quantizer.enable()

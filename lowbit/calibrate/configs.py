@@ -40,12 +40,23 @@ def check_algorithm(recipe: Recipe) -> None:
                         f"{calib.block} wide")
     if calib.group_required and recipe.group_size is None:
         raise UserError(f"{recipe.source}: missing required key 'group_size' for {recipe.quant_algo}")
+    for key in recipe.algorithm_args:
+        if key.startswith("joint_clip") and (recipe.algorithm != "awq_full" or recipe.kv_cache is not None):
+            raise UserError(f"{recipe.source}: bad value for 'algorithm_args.{key}': applies to awq_full without "
+                            "kv_cache (after lowbit's clip search)")
+        if key == "awq_lite_samples" and not recipe.algorithm.startswith("awq"):
+            raise UserError(f"{recipe.source}: bad value for 'algorithm_args.awq_lite_samples': applies to the AWQ "
+                            f"algorithms, not {recipe.algorithm!r}")
+
+
+# algorithm_args lowbit applies itself (calibrate/loop.py, joint_clip.py); modelopt refuses them
+LOWBIT_ARGS = ("awq_lite_samples", "joint_clip", "joint_clip_skip")
 
 
 def algorithm_config(recipe: Recipe):
     if recipe.algorithm in ("max", "rtn"):
         return "max"
-    return {"method": recipe.algorithm, **recipe.algorithm_args}
+    return {"method": recipe.algorithm, **{k: v for k, v in recipe.algorithm_args.items() if k not in LOWBIT_ARGS}}
 
 
 def modelopt_config(recipe: Recipe, model=None) -> dict:

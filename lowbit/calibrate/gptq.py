@@ -86,12 +86,19 @@ def gptq_weight(w: torch.Tensor, h: torch.Tensor, scale: torch.Tensor, group: in
 
 
 class Hessians:
-    """H = 2/n sum x x^T of each hooked linear's input as its weight sees it (the input quantizer's output)."""
+    """H = 2/n sum x x^T of each hooked linear's input as its weight sees it (the input quantizer's output).
+    before_linear: hook the linear itself and apply its input quantizer in the hook (for passes whose own hooks
+    call the input quantizer too, e.g. the clip search's: the quantizer's hook would count each input twice)."""
 
-    def __init__(self, layers: list[tuple[str, nn.Module]]):
+    def __init__(self, layers: list[tuple[str, nn.Module]], before_linear: bool = False):
         self.h = {name: torch.zeros(m.in_features, m.in_features) for name, m in layers}
         self.n = dict.fromkeys(self.h, 0)
-        self.hooks = [m.input_quantizer.register_forward_hook(self._hook(name)) for name, m in layers]
+        if before_linear:
+            self.hooks = [m.register_forward_pre_hook(
+                lambda mod, args, add=self._hook(name): add(None, None, mod.input_quantizer(args[0])))
+                for name, m in layers]
+        else:
+            self.hooks = [m.input_quantizer.register_forward_hook(self._hook(name)) for name, m in layers]
 
     def _hook(self, name):
         def add(_module, _inputs, x):
@@ -108,14 +115,15 @@ class Hessians:
 
 @torch.no_grad()
 def gptq_round(model: nn.Module, forward_loop, damp: float = 0.01, block: int = 128,
-               static_groups: bool = False) -> None:
+               static_groups: bool = False, skip: tuple[str, ...] | list[str] = ()) -> None:
     """Replace every calibrated int4 group weight by its GPTQ rounding and its amax by the scales the rounding
-    used, in place. Hessians come from one pass of `forward_loop(model)` with the calibrated fake quantizers on."""
+    used, in place; linears whose name ends with one of `skip` keep their calibrated rounding to nearest.
+    Hessians come from one pass of `forward_loop(model)` with the calibrated fake quantizers on."""
     from lowbit.calibrate.resmooth import share_pre_quant_scales
     from lowbit.progress import Progress
 
     share_pre_quant_scales(model)
-    layers = quantized_linears(model)
+    layers = [(n, m) for n, m in quantized_linears(model) if not n.endswith(tuple(skip))]
     scales = {name: group_scales(m) for name, m in layers}
     hessians = Hessians(layers)
     try:

@@ -71,7 +71,10 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
 
             lite = {k: v for k, v in cfg["algorithm"].items() if k not in CLIP_ARGS}
             cfg["algorithm"] = lite | {"method": "awq_lite"}
-        model = mtq.quantize(model, cfg, forward_loop(batches, desc=f"calibrating {recipe.name}",
+        # AWQ-lite's scale search (one forward per alpha per linear) is the slow pass: it may see only the first
+        # sequences (awq_lite_samples, at most all of them), the passes after it (clip search, GPTQ) all of them
+        first = batches[:recipe.algorithm_args.get("awq_lite_samples", len(batches))] if config is None else batches
+        model = mtq.quantize(model, cfg, forward_loop(first, desc=f"calibrating {recipe.name}",
                                                     later_passes=f"{recipe.algorithm} pass"))
         if own_clip:
             from lowbit.calibrate.awq_clip import awq_clip_search
@@ -81,7 +84,22 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
             # rescales: done first, so the clips are searched on the weights the checkpoint holds
             share_pre_quant_scales(model)
             args = {k: v for k, v in recipe.algorithm_args.items() if k in CLIP_ARGS}
-            awq_clip_search(model, forward_loop(batches, desc=f"AWQ clip search {recipe.name}"), **args)
+            joint = recipe.algorithm_args.get("joint_clip")
+            if joint:  # its Hessians come from the clip search's pass
+                from lowbit.calibrate.joint_clip import input_hessians, joint_clip_refine
+
+                hessians = input_hessians(model, recipe.algorithm_args.get("joint_clip_skip", ()))
+            try:
+                awq_clip_search(model, forward_loop(batches, desc=f"AWQ clip search {recipe.name}"), **args)
+            finally:
+                if joint:
+                    hessians.remove()
+            if joint:
+                t1 = time.time()
+                grid = {k: v for k, v in args.items() if k != "max_tokens_per_batch"}
+                changed, total = joint_clip_refine(model, hessians, **grid)
+                print(f"[lowbit] joint clip refinement: {changed} of {total} groups moved ({time.time() - t1:.1f} s)",
+                      file=sys.stderr)
         if recipe.rounding == "gptq" and config is None:
             from lowbit.calibrate.gptq import gptq_round
 
