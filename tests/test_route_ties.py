@@ -26,6 +26,18 @@ def test_tie_rows_refuses_a_flip_that_is_no_tie():
     assert [r["row"] for r in near] == [0] and 0 < near[0]["gap"] < 1e-3
 
 
+def _engine(moe: bool):
+    """A stand-in engine whose model has (or has not) a router."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from lowbit.serve.layers.moe import SparseMoe
+
+    layer = SparseMoe(8, 8, 2, 1, True) if moe else nn.Linear(8, 8)
+    return SimpleNamespace(runner=SimpleNamespace(model=nn.ModuleList([layer])))
+
+
 def _cmp(rel, gap=None):
     gap = gap or [0.0] * len(rel)
     return {"rel_err_per_step": rel, "argmax_gap_per_step": gap, "logits_rel_err_max": max(rel),
@@ -36,20 +48,29 @@ def test_without_router_ties_leaves_out_only_tie_decided_steps(monkeypatch):
     ties = {1: [{"layer": 1, "row": 0, "gap": 0.0}], 3: [{"layer": 0, "row": 0, "gap": 0.0}]}
     monkeypatch.setattr(route_ties, "router_tie_steps", lambda engine, prompts, osl: ties)
     steps = [0.004, 0.037, 0.005, 0.004, 0.004, 0.004, 0.004, 0.004]
-    out = serve_bench.without_router_ties(None, [], 8, _cmp(steps), 0.03, 0.1)
+    out = serve_bench.without_router_ties(_engine(True), [], 8, _cmp(steps), 0.03, 0.1)
     assert out["logits_rel_err_max"] == 0.005 and out["router_tie_steps"] == {1: ties[1]}  # step 3 was under the bar
     steps = [0.004, 0.004, 0.031, 0.004, 0.004, 0.004, 0.004, 0.004]
-    out = serve_bench.without_router_ties(None, [], 8, _cmp(steps), 0.03, 0.1)
+    out = serve_bench.without_router_ties(_engine(True), [], 8, _cmp(steps), 0.03, 0.1)
     assert out["logits_rel_err_max"] == 0.031 and "router_tie_steps" not in out  # step 2 over the bar: no tie there
-    out = serve_bench.without_router_ties(None, [], 4, _cmp([0.004, 0.004, 0.004, 0.004], [0, 0.5, 0, 0]), 0.03, 0.1)
+    cmp = _cmp([0.004, 0.004, 0.004, 0.004], [0, 0.5, 0, 0])
+    out = serve_bench.without_router_ties(_engine(True), [], 4, cmp, 0.03, 0.1)
     assert out["argmax_gap_max"] == 0 and list(out["router_tie_steps"]) == [1]  # a greedy flip at a tie step
+
+
+def test_without_router_ties_leaves_a_model_without_routers_alone(monkeypatch):
+    def never(engine, prompts, osl):
+        raise AssertionError("a model without routers is not re-run")
+    monkeypatch.setattr(route_ties, "router_tie_steps", never)
+    cmp = _cmp([0.004, 0.04, 0.004, 0.004])
+    assert serve_bench.without_router_ties(_engine(False), [], 4, cmp, 0.03, 0.1) is cmp
 
 
 def test_without_router_ties_never_leaves_out_more_than_a_quarter(monkeypatch):
     ties = {s: [{"layer": 0, "row": 0, "gap": 0.0}] for s in range(4)}
     monkeypatch.setattr(route_ties, "router_tie_steps", lambda engine, prompts, osl: ties)
     cmp = _cmp([0.04, 0.04, 0.004, 0.004])
-    assert serve_bench.without_router_ties(None, [], 4, cmp, 0.03, 0.1) is cmp
+    assert serve_bench.without_router_ties(_engine(True), [], 4, cmp, 0.03, 0.1) is cmp
 
 
 def test_recorder_sees_every_router_call_of_both_paths():

@@ -442,10 +442,12 @@ def without_router_ties(engine, prompts, osl, cmp: dict, tol: float, tie: float)
     may be left out, else cmp as it is (that many ties would hide a fault)."""
     from lowbit.bench.route_ties import router_tie_steps
 
+    from lowbit.serve.layers.moe import SparseMoe
+
     rel, gap = cmp["rel_err_per_step"], cmp["argmax_gap_per_step"]
     over = [s for s in range(len(rel)) if rel[s] >= tol or gap[s] > tie]
-    if not over:
-        return cmp
+    if not over or not any(isinstance(m, SparseMoe) for m in engine.runner.model.modules()):
+        return cmp  # nothing to explain, or no router to explain it
     ties = router_tie_steps(engine, prompts, osl)
     excused = [s for s in over if s in ties]
     kept = [s for s in range(len(rel)) if s not in excused]

@@ -7,7 +7,6 @@ from torch import nn
 from lowbit import formats
 from lowbit.calibrate.groups import layer_group
 from lowbit.calibrate import nvfp4_clip
-from lowbit.calibrate.nvfp4_clip import add_column_squares
 
 # linears that read the same input and merge into one kernel (q/k/v, gate/up) get one format together
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -54,7 +53,7 @@ def input_stats(model: nn.Module, batches: list[torch.Tensor], names) -> InputSt
     def hook(name):
         def record(_module, args):
             found.amax[name] = max(found.amax.get(name, 0.0), float(args[0].abs().max()))
-            add_column_squares(found.squares, name, args[0])
+            nvfp4_clip.add_column_squares(found.squares, name, args[0])
         return record
 
     handles = [model.get_submodule(n).register_forward_pre_hook(hook(n)) for n in names]
