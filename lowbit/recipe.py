@@ -12,6 +12,7 @@ ALGORITHMS = ("max", "mse", "awq_lite", "awq_clip", "awq_full", "smoothquant", "
 ROUNDINGS = ("nearest", "gptq")  # how weights meet their calibrated scales (calibrate/gptq.py)
 # NVFP4 block scales chosen by weight / output-weighted rounding error (calibrate/nvfp4_clip.py)
 WEIGHT_SCALE_SEARCHES = ("mse", "output")
+SMOOTHINGS = ("rms", "max")  # per-channel input statistic of the smoothing fold (calibrate/smooth.py)
 ROTATIONS = ("hadamard",)  # residual-stream rotation folded into the float weights before calibration (calibrate/rotate.py)
 
 
@@ -35,6 +36,8 @@ class Recipe:
     rounding: str = "nearest"  # nearest | gptq: GPTQ rounding against the calibrated scales, after `algorithm`
     rounding_args: dict = field(default_factory=dict)  # gptq: {damp: fraction of mean diag(H) added, block: columns, static_groups}
     weight_scale_search: str | None = None  # None | mse | output: NVFP4 weight block scales searched (calibrate/nvfp4_clip.py)
+    smoothing: str | None = None  # None | rms | max: calibrate/smooth.py, on the float model before calibration
+    smoothing_alpha: float = 0.5  # s = a^alpha / w^(1 - alpha): the share of the inputs' spread moved into the weights
     rotation: str | None = None  # None | hadamard: calibrate/rotate.py, on the float model before calibration
     rotation_args: dict = field(default_factory=dict)  # hadamard: {seed: int, heads: rotate each value head too}
     group_size: int | None = None  # block/group size of weight scales where the format has one
@@ -128,6 +131,7 @@ def validate(r: Recipe) -> None:
     if r.weight_scale_search is not None and formats.get(r.quant_algo).kernel != "nvfp4":
         bad("weight_scale_search", f"applies to NVFP4 weights only, not {r.quant_algo}")
     _check_rotation(r, bad)
+    _check_smoothing(r, bad)
     if not isinstance(r.kv_scale_search, bool):
         bad("kv_scale_search", f"{r.kv_scale_search!r} is not true or false")
     if r.kv_scale_search and r.kv_cache is None:
@@ -182,6 +186,14 @@ def _check_rounding_args(r: Recipe, bad) -> None:
                 bad("rounding_args.static_groups", f"{value!r} is not true or false")
         else:
             bad("rounding_args", f"unknown argument {key!r} (known: block, damp, static_groups)")
+
+
+def _check_smoothing(r: Recipe, bad) -> None:
+    if r.smoothing is not None and r.smoothing not in SMOOTHINGS:
+        bad("smoothing", f"{r.smoothing!r} is not one of {', '.join(SMOOTHINGS)} or null")
+    a = r.smoothing_alpha
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
+        bad("smoothing_alpha", f"{a!r} is not a number in [0, 1]")
 
 
 def _check_rotation(r: Recipe, bad) -> None:

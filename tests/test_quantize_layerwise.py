@@ -16,6 +16,7 @@ from lowbit.cli import main
 from lowbit.errors import UserError
 from lowbit.formats import unpack_e2m1, unpack_int4_rows
 from lowbit.models import DEFAULT_MODEL, resolve
+from lowbit.recipe import load_recipe
 from lowbit.serve.engine.config import EngineConfig
 from lowbit.serve.engine.engine import Engine
 from lowbit.serve.engine.sampling_params import SamplingParams
@@ -102,6 +103,9 @@ def test_layer_by_layer_checkpoint_equals_the_whole_model_path(pair):
     for name in ta:
         assert_same_tensor(name, ta[name], tb[name], a)
     assert (layer / "recipe.yaml").is_file() and (layer / "tokenizer.json").is_file()
+    source = read(whole.parent / "src").tensors()
+    norm = "model.layers.0.input_layernorm.weight"  # nvfp4 folds its smoothing there, in both paths alike
+    assert torch.equal(ta[norm], source[norm].float()) == (load_recipe(str(whole / "recipe.yaml")).smoothing is None)
     assert set(json.loads((layer / "lowbit_manifest.json").read_text())["files"]) >= {"model.safetensors",
                                                                                       "hf_quant_config.json"}
 

@@ -46,8 +46,8 @@ def forward_loop(batches: list[list[int]], desc: str = "calibrating", later_pass
 
 
 def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | None = None):
-    """Insert and calibrate the recipe's quantizers in place (after the recipe's rotation, if any, on the float
-    weights); returns the model (now fake-quantized).
+    """Insert and calibrate the recipe's quantizers in place (after the recipe's rotation and smoothing fold, if
+    any, on the float weights); returns the model (now fake-quantized).
 
     `config` replaces the recipe's modelopt config (bench/accuracy.py passes modelopt's stock config).
     """
@@ -62,6 +62,14 @@ def calibrate(model, recipe: Recipe, batches: list[list[int]], config: dict | No
 
         rotate(model, **recipe.rotation_args)
         print(f"[lowbit] rotation {recipe.rotation} folded into the weights in {time.time() - t0:.1f} s", file=sys.stderr)
+    if recipe.smoothing and config is None:
+        from lowbit.calibrate.smooth import smooth
+
+        t1 = time.time()
+        smooth(model, forward_loop(batches, desc=f"smoothing statistics {recipe.name}"), recipe.smoothing_alpha,
+               recipe.smoothing)
+        print(f"[lowbit] smoothing ({recipe.smoothing}, alpha {recipe.smoothing_alpha}) folded into the weights in "
+              f"{time.time() - t1:.1f} s", file=sys.stderr)
     nvfp4_cpu.install()  # CPU kernel for NVFP4 dynamic block quantization; CUDA keeps modelopt's own
     with redirect_stdout(sys.stderr):  # modelopt prints its config and counts: keep stdout for the summary
         cfg = config if config is not None else modelopt_config(recipe, model)

@@ -71,6 +71,7 @@ def quantize_layerwise(src: Path, tokenizer, recipe: Recipe, batches: list[list[
             if not name.startswith(f"{base}.layers."):
                 writer.add_rows(name, tensors.shape(name), torch.float32, tensors.row_chunks(name))
         hidden, calls = layer_inputs(model, tensors, batches)
+        unfolded = list(hidden) if recipe.smoothing else None  # the float model's own hidden states, before any fold
         # modelopt lists the modules it gave quantizers (exactly nn.Linear and nn.Embedding, not subclasses)
         entries = {f"{n}.quantization": None for n, m in model.named_modules()
                    if type(m) in (nn.Linear, nn.Embedding) and not n.startswith(f"{base}.layers.")}
@@ -78,6 +79,8 @@ def quantize_layerwise(src: Path, tokenizer, recipe: Recipe, batches: list[list[
             for i, layer in enumerate(layers):
                 prefix = f"{base}.layers.{i}"
                 materialize(model, layer, tensors, prefix)
+                if recipe.smoothing:
+                    unfolded = smooth_layer(layer, model.config, recipe, unfolded, calls[i])
                 with record(layer, model.config, kv=recipe.kv_cache is not None,
                             squares=recipe.weight_scale_search == "output") as stats, torch.no_grad():
                     hidden = [_hidden(layer(h, *args, **kwargs)) for h, (args, kwargs) in zip(hidden, calls[i])]
@@ -92,6 +95,18 @@ def quantize_layerwise(src: Path, tokenizer, recipe: Recipe, batches: list[list[
     quantized = {k.removesuffix(".quantization") for k, v in entries.items() if k.endswith(".quantization") and v}
     excluded = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in quantized]
     return len(quantized), excluded
+
+
+@torch.no_grad()
+def smooth_layer(layer: nn.Module, config, recipe: Recipe, unfolded: list, calls: list) -> list:
+    """Folds the recipe's smoothing into `layer` from its inputs in the unfolded float model, as the whole-model path
+    records them before folding any layer; returns the layer's unfolded outputs (the next layer's such inputs)."""
+    from lowbit.calibrate.smooth import recording, smooth_layers
+
+    with recording([layer], config) as stats:
+        out = [_hidden(layer(h, *args, **kwargs)) for h, (args, kwargs) in zip(unfolded, calls)]
+    smooth_layers([layer], config, stats, recipe.smoothing_alpha, recipe.smoothing)
+    return out
 
 
 def release_free_memory() -> None:
