@@ -3,7 +3,8 @@ fake-quant model: each column rounded to e2m1 x its block's scale (the scales th
 error spread over the later columns through H = 2 X^T X of the float model's inputs (calibrate/gptq.py's update).
 The fake quant recomputes block scales from the final weights, so blocks whose largest code GPTQ moved off 6 show
 their true (re-rounded) cost. Held-out perplexity on bench/accuracy.py's windows, accuracy_variants' settings.
-Usage: OMP_NUM_THREADS=1 PYTHONPATH=$PWD python3 dev/bench/nvfp4_gptq.py [--num-seqs 4] [--num-samples 4] [--damp 0.01]"""
+Usage: OMP_NUM_THREADS=1 PYTHONPATH=$PWD python3 dev/bench/nvfp4_gptq.py [--num-seqs 4] [--num-samples 4] [--damp 0.01]
+[--select]. The recipe is the shipped one (with its smoothing fold since that shipped)."""
 import argparse
 import time
 
@@ -49,10 +50,13 @@ p = argparse.ArgumentParser()
 p.add_argument("--num-seqs", type=int, default=4)
 p.add_argument("--num-samples", type=int, default=4)
 p.add_argument("--damp", type=float, default=0.01)
+p.add_argument("--select", action="store_true", help="measure on nvfp4_smooth_alpha.py's calibration-split windows")
 args = p.parse_args()
 torch.set_num_threads(1)
 model, tok = load_float_model(resolve(DEFAULT_MODEL))
-seqs = heldout(tok, args.num_seqs)
+seqs = heldout(tok, args.num_seqs) if not args.select else [
+    (s, ids) for s, seed in (("boolq", 1), ("lambada", 0))
+    for ids in token_batches(tok, builtin_texts(s, "calib"), args.num_seqs, 512, seed=seed)]
 recipe = variant("nvfp4", {}, args.num_samples)
 c = recipe.calibration
 batches = token_batches(tok, builtin_texts("boolq", "calib"), c.num_samples, c.seq_len, c.seed)

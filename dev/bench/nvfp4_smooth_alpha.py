@@ -3,8 +3,10 @@ the shipped recipe (smoothing at that alpha) is calibrated on 8 x 512 BoolQ cali
 modelopt's fake-quant model over LAMBADA calibration-split windows (a source calibration does not use) and BoolQ
 calibration-split windows at another seed.
 
-    OMP_NUM_THREADS=1 python3 dev/bench/nvfp4_smooth_alpha.py 0.3 0.4 0.5 0.6 0.7
+    OMP_NUM_THREADS=1 python3 dev/bench/nvfp4_smooth_alpha.py 0.3 0.4 0.5 0.6 0.7     # -1: smoothing off
+    RECIPE=fp8 OMP_NUM_THREADS=1 python3 dev/bench/nvfp4_smooth_alpha.py -1 0.5       # another recipe, fold added
 """
+import os
 import copy
 import json
 import sys
@@ -31,7 +33,8 @@ def main() -> int:
     print(json.dumps({"alpha": "float", **{s: round(x, 3) for s, x in perplexity(float_model, select).items()}}),
           flush=True)
     for alpha in alphas:
-        recipe = variant("nvfp4", {"smoothing_alpha": alpha} if alpha >= 0 else {"smoothing": None}, 8)
+        fold = {"smoothing": "rms", "smoothing_alpha": alpha} if alpha >= 0 else {"smoothing": None}
+        recipe = variant(os.environ.get("RECIPE", "nvfp4"), fold, 8)
         c = recipe.calibration
         batches = token_batches(tok, builtin_texts("boolq", "calib"), c.num_samples, c.seq_len, c.seed)
         model = copy.deepcopy(float_model)
