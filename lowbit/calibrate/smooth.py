@@ -5,11 +5,13 @@ multiplied by s_j, so the float function is unchanged and the checkpoint keeps i
 pre_quant_scale, nothing online). Where each division goes:
 
   qkv   the input norm's weight (Gemma: 1 + weight)          q/k/v_proj (or qkv_proj) columns
-  mlp   the norm before the MLP                               gate/up_proj (or gate_up_proj) columns
+  mlp   the norm before the MLP                               gate/up_proj (or gate_up_proj) columns; in a
+                                                              mixture-of-experts block the router's and every
+                                                              expert's gate/up columns (one s for the block's input)
   o     v_proj rows and bias (or qkv_proj's v rows)           o_proj columns, s shared by the query heads of a kv head
-  down  up_proj rows and bias (or gate_up_proj's up half)     down_proj columns (act(gate) * up is linear in up)
-
-A mixture-of-experts block has no single up/gate to fold into: its layers get the attention folds only.
+  down  up_proj rows and bias (or gate_up_proj's up half)     down_proj columns (act(gate) * up is linear in up); not
+                                                              in an expert block, whose down input quantizer is one
+                                                              for all experts
 
 s_j = a_j^alpha / w_j^(1 - alpha) (SmoothQuant's balance) with a_j the channel's input statistic over the calibration
 tokens (max |x_j| or sqrt(E[x_j^2])) and w_j the largest |W[:, j]| among the readers, scaled to geometric mean 1.
@@ -33,7 +35,8 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"
 class Fold:
     """One group of channels: the readers' shared input, written by `writer` (a norm, or rows of a linear)."""
     name: str  # qkv | mlp | o | down
-    readers: list[nn.Linear]
+    readers: list[torch.Tensor]  # weights whose last dimension is the input channel: [out, in] or experts' [E, out, in]
+    hook: nn.Module  # the module whose forward input is the group's input
     writer: nn.Module
     rows: slice | None = None  # the writer linear's rows that produce the channels; None: a norm
     one_plus: bool = False  # the norm scales by 1 + weight (Gemma)
@@ -55,16 +58,21 @@ def folds(layer: nn.Module, config) -> list[Fold]:
         v_writer, v_rows = attn.qkv_proj, slice(q_rows + kv * d, q_rows + 2 * kv * d)
     else:
         qkv, v_writer, v_rows = [attn.q_proj, attn.k_proj, attn.v_proj], attn.v_proj, slice(None)
-    out = [Fold("qkv", qkv, layer.input_layernorm, one_plus=gemma),
-           Fold("o", [attn.o_proj], v_writer, v_rows, kv_heads=kv, rep=heads // kv)]
+    out = [Fold("qkv", [m.weight for m in qkv], qkv[0], layer.input_layernorm, one_plus=gemma),
+           Fold("o", [attn.o_proj.weight], attn.o_proj, v_writer, v_rows, kv_heads=kv, rep=heads // kv)]
     mlp_norm = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
-    if hasattr(mlp, "gate_up_proj") and isinstance(mlp.gate_up_proj, nn.Linear):
+    experts, router = getattr(mlp, "experts", None), getattr(mlp, "gate", None)
+    if experts is not None and isinstance(getattr(experts, "gate_up_proj", None), nn.Parameter):
+        out.append(Fold("mlp", [router.weight, experts.gate_up_proj], mlp, mlp_norm, one_plus=gemma))
+    elif hasattr(mlp, "gate_up_proj") and isinstance(mlp.gate_up_proj, nn.Linear):
         inter = mlp.down_proj.in_features
-        out += [Fold("mlp", [mlp.gate_up_proj], mlp_norm, one_plus=gemma),
-                Fold("down", [mlp.down_proj], mlp.gate_up_proj, slice(inter, 2 * inter))]
+        out += [Fold("mlp", [mlp.gate_up_proj.weight], mlp.gate_up_proj, mlp_norm, one_plus=gemma),
+                Fold("down", [mlp.down_proj.weight], mlp.down_proj, mlp.gate_up_proj, slice(inter, 2 * inter))]
     elif all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
-        out += [Fold("mlp", [mlp.gate_proj, mlp.up_proj], mlp_norm, one_plus=gemma),
-                Fold("down", [mlp.down_proj], mlp.up_proj, slice(None))]
+        out += [Fold("mlp", [mlp.gate_proj.weight, mlp.up_proj.weight], mlp.gate_proj, mlp_norm, one_plus=gemma),
+                Fold("down", [mlp.down_proj.weight], mlp.down_proj, mlp.up_proj, slice(None))]
+    else:
+        raise UserError(f"smoothing: {type(mlp).__name__} is neither a gated MLP nor fused experts")
     return out
 
 
@@ -95,7 +103,7 @@ def recording(layers: list[nn.Module], config):
     for i, layer in enumerate(layers):
         for f in folds(layer, config):
             hook = (lambda key: lambda _, args: stats.add(key, args[0]))((i, f.name))
-            handles.append(f.readers[0].register_forward_pre_hook(hook))
+            handles.append(f.hook.register_forward_pre_hook(hook))
     try:
         yield stats
     finally:
@@ -110,7 +118,7 @@ def _per_kv(v: torch.Tensor, f: Fold) -> torch.Tensor:
 
 def scales(f: Fold, a: torch.Tensor, alpha: float) -> torch.Tensor:
     """s (in the writer's channel space) from the input statistic a [in] and the readers' column maxima."""
-    w = torch.stack([lin.weight.detach().abs().float().amax(0) for lin in f.readers]).amax(0)
+    w = torch.stack([r.detach().abs().float().reshape(-1, r.shape[-1]).amax(0) for r in f.readers]).amax(0)
     a, w = _per_kv(a, f), _per_kv(w, f)
     s = a.clamp(min=1e-5).pow(alpha) / w.clamp(min=1e-5).pow(1 - alpha)
     return s / s.log().mean().exp()  # geometric mean 1: a common factor changes nothing but the tensors' range
@@ -131,8 +139,8 @@ def fold(f: Fold, s: torch.Tensor) -> None:
             b = f.writer.bias[f.rows]
             f.writer.bias[f.rows] = (b.double() / s).to(b.dtype)
     cols = s.reshape(f.kv_heads, 1, -1).expand(-1, f.rep, -1).reshape(-1) if f.kv_heads else s
-    for lin in f.readers:
-        lin.weight.copy_((lin.weight.double() * cols[None, :]).to(lin.weight.dtype))
+    for r in f.readers:
+        r.copy_((r.double() * cols).to(r.dtype))
 
 
 def smooth_layers(layers: list[nn.Module], config, stats: InputStats, alpha: float, stat: str) -> None:
