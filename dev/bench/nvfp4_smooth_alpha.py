@@ -6,6 +6,7 @@ calibration-split windows at another seed.
     OMP_NUM_THREADS=1 python3 dev/bench/nvfp4_smooth_alpha.py 0.3 0.4 0.5 0.6 0.7     # -1: smoothing off
     RECIPE=fp8 OMP_NUM_THREADS=1 python3 dev/bench/nvfp4_smooth_alpha.py -1 0.5       # another recipe, fold added
     SAMPLES=32 OMP_NUM_THREADS=1 python3 dev/bench/nvfp4_smooth_alpha.py 0.5          # calibration sequences (8)
+    STAT=max OMP_NUM_THREADS=1 python3 dev/bench/nvfp4_smooth_alpha.py 0.5 0.3        # max |x| statistic (rms)
 """
 import os
 import copy
@@ -34,7 +35,8 @@ def main() -> int:
     print(json.dumps({"alpha": "float", **{s: round(x, 3) for s, x in perplexity(float_model, select).items()}}),
           flush=True)
     for alpha in alphas:
-        fold = {"smoothing": "rms", "smoothing_alpha": alpha} if alpha >= 0 else {"smoothing": None}
+        stat = os.environ.get("STAT", "rms")
+        fold = {"smoothing": stat, "smoothing_alpha": alpha} if alpha >= 0 else {"smoothing": None}
         recipe = variant(os.environ.get("RECIPE", "nvfp4"), fold, int(os.environ.get("SAMPLES", 8)))
         c = recipe.calibration
         batches = token_batches(tok, builtin_texts("boolq", "calib"), c.num_samples, c.seq_len, c.seed)
