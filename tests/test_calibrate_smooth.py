@@ -38,6 +38,8 @@ def tiny(name: str):
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
                 p.copy_(torch.rand_like(p) * 2 - 0.5)
+            if n.endswith("bias"):  # initialized to zero: a fold that forgot v's or up's bias would pass unseen
+                p.normal_(0.0, 0.1)
             if n.endswith(("v_proj.weight", "up_proj.weight", "qkv_proj.weight", "gate_up_proj.weight")):
                 p.mul_(torch.rand(p.shape[0], 1) * 4)
     return model

@@ -141,7 +141,8 @@ class _Recorder:
     def __init__(self, out: dict, key):
         self.out, self.key = out, key
 
-    def rotary_store_kv(self, qkv, hq, hk, positions, cos_sin_cache, part_scales, *_, qk_norm=None):
+    def rotary_store_kv(self, qkv, hq, hk, positions, cos_sin_cache, part_scales, kv_cache, slot_mapping, k_scale,
+                        v_scale, qk_norm=None):
         from lowbit.kernels import qk_norm_ref, rotary_qk_ref
         if qk_norm is not None:
             qkv = qk_norm_ref(qkv, hq, hk, cos_sin_cache.shape[-1], qk_norm)

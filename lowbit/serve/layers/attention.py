@@ -233,10 +233,9 @@ class Attention(nn.Module):
         [T, Hq*D] as forward gives: rotary and the K/V store in one backend call (qk_norm: (q weight, k weight, eps)
         of per-head RMSNorms before the rotary, in the same call)."""
         ctx = ctx.for_kind(self.kv_kind)
-        norm = {} if qk_norm is None else {"qk_norm": qk_norm}  # only when set: a backend without the argument
-        # still serves every model without per-head norms
         q = _backend.rotary_store_kv(qkv, self.num_heads, self.num_kv_heads, ctx.positions, cos_sin_cache,
-                                     part_scales, self.kv_cache, ctx.slot_mapping, self.k_scale, self.v_scale, **norm)
+                                     part_scales, self.kv_cache, ctx.slot_mapping, self.k_scale, self.v_scale,
+                                     qk_norm)
         return self._attend(q.view(q.shape[0], self.num_heads, self.head_dim), ctx, out_scale)
 
     def _attend(self, q, ctx: StepContext, out_scale) -> torch.Tensor:

@@ -29,9 +29,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.sizes = [q_size, kv_size, kv_size]
         qk_norm = qk_norm_eps is not None
-        self.qkv_proj = MergedLinear(hidden, self.sizes, qkv_bias, ["q_proj", "k_proj", "v_proj"],
+        self.qkv_proj = MergedLinear(hidden, [q_size, kv_size, kv_size], qkv_bias, ["q_proj", "k_proj", "v_proj"],
                                      defer_part_scales=not qk_norm)
         self.o_proj = Linear(q_size, hidden, o_bias)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm else None
