@@ -55,6 +55,43 @@ def test_gpu_fused_moe_matches_reference(fmt, path, t):
 
 
 @gpu_only
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("t", [1, 3, 9])
+@pytest.mark.parametrize("config", [None, ((4, 512, 1), (4, 512, 1)), ((16, 1024, 2), (32, 2048, 4))])
+def test_gpu_moe_decode_matches_reference(fmt, t, config):
+    """lowbit.kernels.moe.decode (SiLU in gate/up, the combine in down) at the Tuning's tiles and others (K in one
+    step or several)."""
+    table = tuning.current().moe_decode_config
+    with tuning.override(moe_decode_config=tuning.frozen(dict(zip(("gate_up", "down"), config))) if config else table):
+        check(fmt, "moe_decode", t)
+
+
+@gpu_only
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_gpu_router_topk_matches_reference_in_a_cuda_graph(renormalize):
+    """The one-launch router at Qwen3-30B-A3B's shape, eagerly and replayed from a CUDA graph over new inputs (the
+    arrival counter must be zero again after every launch)."""
+    from lowbit.kernels.moe.route import moe_router_ref, router_topk
+    from test_kernels_moe_route import assert_same_route
+
+    g = torch.Generator("cuda").manual_seed(3)
+    w = (torch.randn(128, 2048, device="cuda", generator=g) / 45).bfloat16()
+    x = torch.randn(1, 2048, device="cuda", generator=g).bfloat16()
+    weights, ids, logits = router_topk(x, w, 8, renormalize)
+    want = moe_router_ref(x, w, 8, renormalize)[2]
+    assert (logits.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+    assert_same_route(weights, ids, logits, 8, renormalize)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = router_topk(x, w, 8, renormalize)
+    for seed in range(3):
+        x.copy_(torch.randn(1, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        graph.replay()
+        assert_same_route(out[0], out[1], out[2], 8, renormalize)
+        assert torch.equal(out[2], router_topk(x, w, 8, renormalize)[2])
+
+
+@gpu_only
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_gpu_route_kernel_matches_torch(renormalize):
     from lowbit.kernels.moe.route import moe_route

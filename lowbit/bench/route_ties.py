@@ -16,8 +16,9 @@ from lowbit.serve.layers import ops
 @contextmanager
 def recording_routes(engine, steps: list):
     """Within: each engine step appends a list to `steps`; each router call (layer order) appends (logits fp32 [T, E],
-    expert ids [T, k]) to it. Wraps the ops.moe_route in force on entry (a reference path's, inside one)."""
-    route, run = ops.moe_route, engine.runner.run
+    expert ids [T, k]) to it. Wraps the ops.moe_route and ops.moe_router in force on entry (a reference path's, inside
+    one)."""
+    route, router, run = ops.moe_route, ops.moe_router, engine.runner.run
 
     def recording_run(*a, **kw):
         steps.append([])
@@ -28,11 +29,16 @@ def recording_routes(engine, steps: list):
         steps[-1].append((logits.float().cpu(), ids.cpu()))
         return weights, ids
 
-    engine.runner.run, ops.moe_route = recording_run, recording_route
+    def recording_router(x, weight, top_k, renormalize):
+        weights, ids, logits = router(x, weight, top_k, renormalize)
+        steps[-1].append((logits.float().cpu(), ids.cpu()))
+        return weights, ids, logits
+
+    engine.runner.run, ops.moe_route, ops.moe_router = recording_run, recording_route, recording_router
     try:
         yield
     finally:
-        engine.runner.run, ops.moe_route = run, route
+        engine.runner.run, ops.moe_route, ops.moe_router = run, route, router
 
 
 def tie_rows(ref_logits: torch.Tensor, ref_ids: torch.Tensor, ker_ids: torch.Tensor) -> list[dict] | None:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from lowbit import formats
 from lowbit.bench_cli import int_list
-from lowbit.kernels import gelu_tanh_and_mul_ref, moe_route_ref, silu_and_mul_ref
+from lowbit.kernels import gelu_tanh_and_mul_ref, moe_route_ref, moe_router_ref, silu_and_mul_ref
 from lowbit.kernels.linear.act_quant import act_quant_ref
 from lowbit.kernels.ops.norm import quantize_fp8_ref
 from lowbit.serve.layers import attention as attn_mod
@@ -245,7 +245,7 @@ STATIC_W8A8_FORMATS = {formats.FP8: fp8_linear_fp32, formats.W8A8_SQ_PER_CHANNEL
 
 # the kernel ops layers call
 LAYER_OPS = ("dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul", "gelu_tanh_and_mul", "fused_moe",
-             "moe_route")
+             "moe_route", "moe_router")
 
 
 def fused_moe_fp32(x, w13, w2, topk_ids, topk_weights, fp8=None, int4=None, nvfp4=None, int8=None):
@@ -288,7 +288,7 @@ def reference_path(engine, reader_rounding: bool = False):
     layers_mod.dense_linear, layers_mod.quant_linear, layers_mod.rms_norm = dense_linear_fp32, ref_linear, rms_norm_ref
     layers_mod.rotary, layers_mod.silu_and_mul = rotary_ref, silu_and_mul_ref  # rotary_store_kv: the backend's
     layers_mod.gelu_tanh_and_mul, layers_mod.fused_moe = gelu_tanh_and_mul_ref, fused_moe_fp32
-    layers_mod.moe_route = moe_route_ref
+    layers_mod.moe_route, layers_mod.moe_router = moe_route_ref, moe_router_ref
     attn_mod.set_attention_backend(attn_mod.TorchAttentionBackend() if reader_rounding else Fp32KvAttention())
     engine.runner.graphs = None
     try:

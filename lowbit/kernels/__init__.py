@@ -26,7 +26,7 @@ _WHERE = {
     "lowbit.kernels.attention.rotary_kv": ("rotary_store_kv", "qk_norm_ref"),
     "lowbit.kernels.moe.fused_moe": ("fused_moe", "fused_moe_ref", "Fp8Scales", "Int4Scales", "Int8Scales",
                                    "Nvfp4Scales"),
-    "lowbit.kernels.moe.route": ("moe_route", "moe_route_ref"),
+    "lowbit.kernels.moe.route": ("moe_route", "moe_route_ref", "moe_router", "moe_router_ref"),
     "lowbit.kernels._triton": ("all_kernels_early", "HAS_TRITON"),
 }
 _MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}

@@ -9,7 +9,8 @@ None when no GPU runs the kernels: the CPU, Triton's interpreter), and per kind:
 - group (int4): the quantization group along K; x16: x is bf16 / fp16 (dense: and the weight has x's dtype).
 Op "moe" (lowbit.kernels.moe.fused_moe) picks how a MoE layer's experts run: the case's kind is the experts'
 ("dense", "fp8", "int8", "int4", "nvfp4"), m the number of (token, expert) pairs (tokens x top_k), n and k the gate/up
-projection's (2 x intermediate, hidden); its kernels run both projections.
+projection's (2 x intermediate, hidden), scale "per_token" for FP8 experts without static input scales; its kernels run
+both projections. Op "moe_router": the router's linear and top-k (kind "dense", m tokens, n experts, k hidden).
 Routes are decided from these numbers alone (no GPU needed). The int4 / nvfp4 rows are asked only where the
 kernels run (w4a16.w4a16_gemm runs the reference otherwise), so they do not test arch.
 """
@@ -116,10 +117,19 @@ MOE_KINDS = ("dense", "fp8", "int8", "int4", "nvfp4")
 # how a MoE layer's experts run (lowbit.kernels.moe): a few pairs (decode) one program per pair and N tile, reading
 # the weight rows of its expert with no row padding; more, the pairs sorted by expert into row blocks of grouped GEMMs
 MOE = (
+    # 16-bit and static-FP8 experts: gate/up with SiLU, then down with the combine (two launches, moe.decode)
+    Row(("dense", "fp8"), lambda c, t: (c.on((0, 0)) and c.scale == "per_tensor" and c.m <= t.moe_decode_max_pairs
+                                        and c.x16), "moe_decode"),
     Row(MOE_KINDS, lambda c, t: c.m <= t.moe_gemv_max_pairs[c.kind], "moe_gemv"),
     Row(MOE_KINDS, lambda c, t: True, "moe_grouped"),
 )
-TABLES = {"linear": LINEAR, "zero_point": ZERO_POINT, "moe": MOE}
+# how a MoE router (16-bit weight [E, H], no bias) picks each token's experts (lowbit.kernels.moe.route): at one
+# token its GEMV and the top-k in one launch, else the linear then the top-k kernel
+MOE_ROUTER = (
+    Row(("dense",), lambda c, t: c.on((0, 0)) and c.m == 1 and c.x16, "router_topk"),
+    Row(("dense",), lambda c, t: True, "linear_then_route"),
+)
+TABLES = {"linear": LINEAR, "zero_point": ZERO_POINT, "moe": MOE, "moe_router": MOE_ROUTER}
 
 # the kernels each family's tensor-core entry point may take (w8a8.tensor_core_linear, w4a16.tensor_core_gemm)
 W8A8_TENSOR_CORE = ("int8_small_m", "fp8_small_m", "scaled_mm", "scaled_mm_then_scale", "scaled_mm_rowwise",

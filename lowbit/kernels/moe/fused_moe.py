@@ -20,7 +20,8 @@ NVFP4 experts (`nvfp4=Nvfp4Scales(...)`): w13 / w2 are e2m1 codes, uint8 [E, 2I,
 (lowbit.kernels.moe.nvfp4 says how).
 
 Which kernels run is routes' op "moe" (by the number of (token, slot) pairs): the grouped GEMMs above, or at a few
-pairs the per-pair GEMVs of lowbit.kernels.moe.gemv; both feed the same SiLU-and-mul and combine.
+pairs the per-pair GEMVs of lowbit.kernels.moe.gemv; both feed the same SiLU-and-mul and combine. 16-bit and static-FP8
+experts at a few pairs take lowbit.kernels.moe.decode instead: those two steps fused into the GEMVs.
 """
 from typing import NamedTuple
 
@@ -32,6 +33,7 @@ from lowbit.formats.numerics import fake_quant_fp8, fake_quant_fp8_per_token
 from lowbit.kernels import routes
 from lowbit.kernels._triton import cdiv, kernel, next_pow2, on_gpu, tl, wait_for_producers
 from lowbit.kernels.moe.align import block_rows, moe_align
+from lowbit.kernels.moe.decode import down_combine, gate_up_silu
 from lowbit.kernels.moe.gemv import expert_gemv, expert_gemv_int4, expert_gemv_int8, token_scales
 from lowbit.kernels.moe.int4 import Int4Scales, grouped_gemm_int4, int4_linear_ref
 from lowbit.kernels.moe.int8 import Int8Scales, grouped_gemm_int8, int8_linear_ref
@@ -137,12 +139,18 @@ def fused_moe_triton(x, w13, w2, topk_ids, topk_weights, block_m: int = BLOCK_M,
                      int4: Int4Scales | None = None, path: str | None = None,
                      nvfp4: Nvfp4Scales | None = None, int8: Int8Scales | None = None) -> torch.Tensor:
     """The Triton path (also under the CPU interpreter): gate/up GEMM, SiLU-and-mul, down GEMM, combine. path:
-    "moe_grouped" (align, then grouped GEMMs) or "moe_gemv" (per pair); None: routes' op "moe" decides."""
+    "moe_grouped" (align, then grouped GEMMs), "moe_gemv" (per pair) or "moe_decode" (16-bit or static-FP8 experts:
+    gate/up with SiLU, then down with the combine); None: routes' op "moe" decides."""
     kind = expert_kind(fp8, int4, nvfp4, int8)
     t, k = topk_ids.shape
     if path is None:
         arch = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
-        path = routes.route("moe", kind, t * k, 2 * w2.shape[2], x.shape[1], arch)
+        scale = "per_token" if fp8 is not None and fp8.a13_scale is None else "per_tensor"
+        path = routes.route("moe", kind, t * k, 2 * w2.shape[2], x.shape[1], arch, scale=scale,
+                            x16=x.dtype in (torch.bfloat16, torch.float16))
+    if path == "moe_decode":
+        s13, s2 = _projections(fp8, int4, nvfp4, int8)
+        return down_combine(gate_up_silu(x, w13, topk_ids, k, *s13), w2, topk_ids, topk_weights, *s2)
     run = _gemv_projection if path == "moe_gemv" else _grouped_projection(topk_ids, w13.shape[0], block_m)
     s13, s2 = _projections(fp8, int4, nvfp4, int8)
     gate_up = run(x, w13, topk_ids, k, kind, *s13)

@@ -1,10 +1,19 @@
 """The MoE router's top-k: router logits [T, E] -> (weights fp32 [T, k], expert ids int64 [T, k]), softmax in fp32
 over all experts, the k largest in descending order, divided by their sum when renormalize (transformers'
 norm_topk_prob; Mixtral always). On the GPU one small kernel per step in place of torch's softmax / topk / sum / div
-chain; ties go to the lower expert id there (torch.topk leaves their order open)."""
-import torch
+chain; ties go to the lower expert id there (torch.topk leaves their order open).
 
-from lowbit.kernels._triton import kernel, next_pow2, on_gpu, tl, wait_for_producers
+moe_router is the router's linear (16-bit weight [E, H], no bias; logits rounded to x's dtype) and the top-k together;
+at one token on the GPU (routes' op "moe_router") one launch: the GEMV's programs (lowbit.kernels.linear.dense_gemv's
+layout) store the logits, and the last program to finish (an arrival counter, zero again after every launch) picks the
+experts from them.
+"""
+import torch
+import torch.nn.functional as F
+
+from lowbit.kernels import routes
+from lowbit.kernels._triton import (capability, cdiv, early_kernel, helper, kernel, load_streamed, next_pow2, on_gpu,
+                                    tl, wait_for_producers)
 
 
 def moe_route_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,6 +30,51 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torc
     return moe_route_triton(logits, top_k, renormalize)
 
 
+def moe_router_ref(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool):
+    """-> (weights fp32 [T, k], ids int64 [T, k], logits [T, E] in x's dtype): fp32 math, logits rounded."""
+    logits = F.linear(x.float(), weight.float()).to(x.dtype)
+    return (*moe_route_ref(logits, top_k, renormalize), logits)
+
+
+def moe_router(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool):
+    """x [T, H], weight [E, H] -> moe_router_ref's (weights, ids, logits), as routes' op "moe_router" runs it."""
+    x16 = x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+    if on_gpu(x) and routes.route("moe_router", "dense", x.shape[0], weight.shape[0], weight.shape[1],
+                                  capability(x.device), x16=x16) == "router_topk":
+        return router_topk(x, weight, top_k, renormalize)
+    from lowbit.kernels.linear.dense_gemv import dense_linear
+    logits = dense_linear(x, weight)
+    return (*moe_route(logits, top_k, renormalize), logits)
+
+
+_COUNTERS: dict = {}  # device -> int32 [1], zero between launches of router_topk
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, config=None):
+    """One token: x [1, H], weight [E, H] of x's dtype -> moe_router_ref's (weights, ids, logits) in one launch.
+    config: dense_gemv's (BLOCK_N, BLOCK_K, num_warps), default its gemv_config(E)."""
+    from lowbit.kernels.linear.dense_gemv import gemv_config
+
+    e, h = weight.shape
+    if x.shape != (1, h) or weight.dtype != x.dtype or not 0 < top_k <= e:
+        raise ValueError(f"router_topk: one token [1, {h}] of the weight's dtype and top_k in 1..{e}; got "
+                         f"{tuple(x.shape)} {x.dtype}, {weight.dtype}, top_k {top_k}")
+    vec = 16 // weight.element_size()
+    block_n, block_k, warps = config or gemv_config(e, weight.element_size())
+    assert block_k % (vec * 32 * warps) == 0, (block_k, warps)
+    counter = _COUNTERS.get(x.device)
+    if counter is None:  # made at the first call, which warm-up runs outside any CUDA graph capture
+        counter = _COUNTERS[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
+    x, weight = x.contiguous(), weight.contiguous()
+    logits = torch.empty(1, e, dtype=x.dtype, device=x.device)
+    weights = torch.empty(1, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(1, top_k, dtype=torch.int64, device=x.device)
+    _router_topk_kernel[(cdiv(e, block_n),)](
+        x, weight, logits, counter, weights, ids, e, h, TOP_K=top_k, RENORM=renormalize, VEC=vec, BLOCK_N=block_n,
+        BLOCK_K=block_k, BLOCK_E=next_pow2(e), BLOCK_TK=next_pow2(top_k), EVEN_K=h % block_k == 0, num_warps=warps)
+    return weights, ids, logits
+
+
 def moe_route_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel (also under the CPU interpreter): one program per token."""
     t, e = logits.shape
@@ -34,13 +88,11 @@ def moe_route_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     return weights, ids
 
 
-@kernel
-def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    wait_for_producers(PDL)
-    tok = tl.program_id(0).to(tl.int64)
+@helper
+def _top_k(x, E, TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Logits x fp32 [BLOCK_E] (-inf from E on) -> (weights fp32 [BLOCK_K], ids int32 [BLOCK_K]); slots past TOP_K
+    hold 0."""
     experts = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + tok * stride_t + experts, mask=experts < E, other=-float("inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(experts < E, p, -1.0)  # below every probability: never picked
@@ -54,7 +106,53 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr, 
         picked_id = tl.where(slots == j, idx, picked_id)
         p = tl.where(experts == idx, -1.0, p)
     if RENORM:
-        picked_w = picked_w / tl.sum(picked_w, axis=0)  # slots past TOP_K hold 0
+        picked_w = picked_w / tl.sum(picked_w, axis=0)
+    return picked_w, picked_id
+
+
+@kernel
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)
+    tok = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + tok * stride_t + experts, mask=experts < E, other=-float("inf")).to(tl.float32)
+    picked_w, picked_id = _top_k(x, E, TOP_K, RENORM, BLOCK_E, BLOCK_K)
+    slots = tl.arange(0, BLOCK_K)
     ok = slots < TOP_K
     tl.store(w_ptr + tok * TOP_K + slots, picked_w, mask=ok)
     tl.store(ids_ptr + tok * TOP_K + slots, picked_id.to(tl.int64), mask=ok)
+
+
+@early_kernel
+def _router_topk_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, wout_ptr, ids_ptr, E, K, TOP_K: tl.constexpr,
+                        RENORM: tl.constexpr, VEC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """Program j: logits of experts j * BLOCK_N + r; the last program to arrive: the top-k of all E."""
+    C: tl.constexpr = BLOCK_K // VEC
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_rows = tl.minimum(offs_n, E - 1).to(tl.int64)
+    kk = (VEC * tl.arange(0, C))[:, None, None] + tl.arange(0, VEC)[None, None, :]  # [C, 1, VEC]
+    w_ptrs = w_ptr + n_rows[None, :, None] * K + kk  # [C, BN, VEC]
+    acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
+    n_steps = tl.cdiv(K, BLOCK_K)
+    w = load_streamed(w_ptrs, kk < K, not EVEN_K)
+    wait_for_producers(PDL)
+    for kb in range(0, n_steps):
+        k0 = kb * BLOCK_K
+        k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
+        w_next = load_streamed(w_ptrs + k_next, k_next + kk < K, not EVEN_K)
+        xs = tl.load(x_ptr + k0 + kk, mask=k0 + kk < K, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * xs.to(tl.float32), axis=2)
+        w = w_next
+    tl.store(logits_ptr + offs_n, tl.sum(acc, axis=0).to(logits_ptr.dtype.element_ty), mask=offs_n < E)
+    tl.debug_barrier()  # every thread's logits are stored before the (release) arrival below
+    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        experts = tl.arange(0, BLOCK_E)
+        x = tl.load(logits_ptr + experts, mask=experts < E, other=-float("inf"), cache_modifier=".cg")
+        picked_w, picked_id = _top_k(x.to(tl.float32), E, TOP_K, RENORM, BLOCK_E, BLOCK_TK)
+        slots = tl.arange(0, BLOCK_TK)
+        tl.store(wout_ptr + slots, picked_w, mask=slots < TOP_K)
+        tl.store(ids_ptr + slots, picked_id.to(tl.int64), mask=slots < TOP_K)
+        tl.store(cnt_ptr, 0)  # every program has arrived: zero again for the next launch

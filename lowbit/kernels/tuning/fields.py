@@ -83,3 +83,7 @@ class Tuning:
     # routes op "moe": expert kind -> (token, expert) pairs up to which the per-pair GEMV runs, more the grouped GEMM
     moe_gemv_max_pairs: Mapping = field(
         default_factory=lambda: frozen({kind: 32 for kind in ("dense", "fp8", "int8", "int4", "nvfp4")}))
+    # 16-bit and static-FP8 experts at a few pairs (lowbit.kernels.moe.decode): projection ("gate_up", "down") ->
+    # (BLOCK_N, weight bytes per row and K step, num_warps); routes op "moe" takes it up to moe_decode_max_pairs
+    moe_decode_config: Mapping = field(default_factory=lambda: frozen({"gate_up": (8, 2048, 4), "down": (16, 1024, 2)}))
+    moe_decode_max_pairs: int = 64

@@ -4,7 +4,7 @@ Each is lowbit.kernels' Triton kernel on the GPU and its torch reference elsewhe
 `ops.rms_norm(...)` (never a name bound at import), so a swap reaches every layer.
 """
 from lowbit.kernels import dense_linear, gelu_tanh_and_mul, linear as quant_linear, rms_norm, rotary, silu_and_mul
-from lowbit.kernels import fused_moe, moe_route
+from lowbit.kernels import fused_moe, moe_route, moe_router
 
 __all__ = ["dense_linear", "quant_linear", "rms_norm", "rotary", "silu_and_mul", "gelu_tanh_and_mul", "fused_moe",
-           "moe_route"]
+           "moe_route", "moe_router"]
