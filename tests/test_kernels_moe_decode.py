@@ -17,7 +17,7 @@ from test_kernels_moe_fp8 import INTERPRETER_NORM_TOL, fp8_problem, on_grid  # n
 from test_kernels_moe_route import assert_same_route  # noqa: E402
 
 interpreter_only = pytest.mark.skipif(not interpreting(), reason="CPU interpreter test")
-SMALL_STEPS = (4, 512, 1)  # (BLOCK_N, step bytes, warps): 128 fp32 / 256 fp16 elements per K step
+SMALL_STEPS = (16, 512, 1)  # (BLOCK_N, step bytes, warps): 128 fp32 / 256 fp16 elements per K step
 
 
 @interpreter_only
@@ -37,7 +37,7 @@ def test_decode_path_matches_reference(dtype, t, top_k):
 def test_decode_kernels_over_several_k_steps(dtype):
     """K of 2-3 steps with a ragged last one, N not a multiple of BLOCK_N: each projection against its reference
     (gate/up: the per-pair GEMV rounded, then silu_and_mul; down: each pair's row rounded, then the combine)."""
-    t, top_k, hidden, inter = 3, 2, 600, 300
+    t, top_k, hidden, inter = 2, 2, 300, 270
     x, w13, w2, ids, weights = problem(t, hidden, inter, 5, top_k, dtype, seed=2)
     flat = ids.reshape(-1).tolist()
     act = gate_up_silu(x, w13, ids, top_k, config=SMALL_STEPS)
