@@ -91,10 +91,13 @@ def test_decode_matches_reference(fp8, splits):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("splits", [8, 40])
-def test_decode_idle_splits_match_reference(fp8, splits, monkeypatch):
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_idle_splits_match_reference(fp8, splits, fused, monkeypatch):
     """More splits than a context fills: the idle ones write nothing (their partial rows stay uninitialized) and the
-    combine merges only the splits that ran, here 2 partial rows at a time (several passes, the last one masked)."""
-    monkeypatch.setattr(tuning, "_OVERRIDE", [dataclasses.replace(tuning.current(), decode_combine_rows=2)])
+    combine merges only the splits that ran: in the decode launch's last split to arrive (fused), or in the combine
+    kernel, here 2 partial rows at a time (several passes, the last one masked)."""
+    monkeypatch.setattr(tuning, "_OVERRIDE", [dataclasses.replace(
+        tuning.current(), decode_combine_rows=2, decode_fused_combine_max_pairs=1 << 16 if fused else 0)])
     kv_dtype = torch.float8_e4m3fn if fp8 else DTYPE
     ctx = [1, 17, LONG, 64, 33]
     c = make_case(ctx, [1] * len(ctx), dtype=DTYPE, kv_dtype=kv_dtype, seed=7, **SHAPES)

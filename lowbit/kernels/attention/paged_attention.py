@@ -303,16 +303,18 @@ def _vt_blocks(v_ptr, blk, kvh, HKD: tl.constexpr, D: tl.constexpr, BS: tl.const
 
 
 @kernel
-def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_ptr, part_ptr, lse_ptr, qk_scale,
-                   bt_stride, half_stride, num_splits, window, softcap,
+def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_ptr, part_ptr, lse_ptr, cnt_ptr,
+                   qk_scale, bt_stride, half_stride, num_splits, window, softcap,
                    HQ: tl.constexpr, HKD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                    BS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DIRECT: tl.constexpr,
                    QUANT_OUT: tl.constexpr, BLOCKS: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                   PDL: tl.constexpr):
+                   COMBINE: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr):
     """Program (b, kv head, split): the G query heads of one KV head over one slice of the context (_chunk).
     BLOCKS: tiles gathered block by block (DecodeVariant.blocks), else row by row.
     WINDOW: only keys from position ctx_len - window on are visible; the splits share the keys from the start of
     that key's cache block (_window_start) to the end, so earlier blocks are never loaded. SOFTCAP: _softmax_step's.
+    COMBINE (splits only): the last split of a (b, kv head) to arrive (cnt_ptr: one arrival counter per pair, zero
+    again after every launch) merges the splits' partials as _combine_kernel does, in the same launch.
     The context length, the first tile's block ids and the KV scales are loaded before the PDL wait: no kernel of a
     step writes them (they are uploaded before it), so under PDL these loads overlap the kernel before; q and the
     K / V rows (the new token's among them) wait. An idle split returns before it."""
@@ -375,6 +377,36 @@ def _decode_kernel(q_ptr, kv_ptr, bt_ptr, ctx_ptr, ks_ptr, vs_ptr, os_ptr, out_p
         row = (b * HQ + heads) * num_splits + split  # partials [B, HQ, S, D], lse [B, HQ, S] (log2)
         tl.store(part_ptr + row[:, None] * D + offs_d[None, :], o, mask=mask_g[:, None])
         tl.store(lse_ptr + row, tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf")), mask=mask_g)
+        if COMBINE:
+            tl.debug_barrier()  # every thread's partial is stored before the (release) arrival below
+            ran = tl.maximum(tl.cdiv(ctx_len - lo, chunk), 1)  # the splits that did not return idle
+            arrived = tl.atomic_add(cnt_ptr + b * (HKD // D) + kvh, 1, sem="acq_rel", scope="gpu")
+            if arrived == ran - 1:
+                _combine_group(part_ptr, lse_ptr, os_ptr, out_ptr, (b * HQ + heads) * num_splits, b * HQ + heads,
+                               mask_g, ran, q_ptr.dtype.element_ty, QUANT_OUT, GP, D, SP)
+                tl.store(cnt_ptr + b * (HKD // D) + kvh, 0)  # every split has arrived: zero for the next launch
+
+
+@helper
+def _combine_group(part_ptr, lse_ptr, os_ptr, out_ptr, rows, out_rows, mask_g, ran, model_dtype: tl.constexpr,
+                   QUANT_OUT: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SP: tl.constexpr):
+    """The GP heads' (rows: their first partial's row, [GP]) `ran` partials merged by their log-sum-exp, in split
+    order, into out rows out_rows. Read from L2 (.cg): other SMs wrote them."""
+    offs_s = tl.arange(0, SP)
+    offs_d = tl.arange(0, D)
+    lse = tl.load(lse_ptr + rows[:, None] + offs_s[None, :], mask=mask_g[:, None] & (offs_s < ran)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")
+    lse_max = tl.where(mask_g, tl.max(lse, 1), 0.0)  # padding heads: finite, their rows are not stored
+    w_sum = tl.where(mask_g, tl.sum(tl.exp2(lse - lse_max[:, None]), 1), 1.0)
+    o = tl.zeros([GP, D], tl.float32)
+    for s in range(0, ran):
+        w = tl.exp2(tl.load(lse_ptr + rows + s, mask=mask_g, other=float("-inf"), cache_modifier=".cg") - lse_max)
+        part = tl.load(part_ptr + (rows + s)[:, None] * D + offs_d[None, :], mask=mask_g[:, None], other=0.0,
+                       cache_modifier=".cg")
+        o += part * w[:, None]
+    o = o / w_sum[:, None]
+    tl.store(out_ptr + out_rows[:, None] * D + offs_d[None, :], _output(o, os_ptr, model_dtype, QUANT_OUT),
+             mask=mask_g[:, None])
 
 
 @helper
@@ -415,6 +447,19 @@ def _combine_kernel(part_ptr, lse_ptr, ctx_ptr, os_ptr, out_ptr, num_splits, win
 
 
 LOG2E = 1.4426950408889634
+_COUNTERS: dict = {}  # device -> [int32 counters, zero between launches; the smaller ones graphs may still point at]
+
+
+def _counters(device, n: int) -> torch.Tensor | None:
+    """At least n zeroed arrival counters on device, or None while a CUDA graph is captured and there are too few
+    (zeroed memory taken then would belong to the graph's pool): that launch combines in its own kernel."""
+    kept = _COUNTERS.setdefault(device, [])
+    if kept and kept[-1].numel() >= n:
+        return kept[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    kept.append(torch.zeros(next_pow2(max(n, 1024)), dtype=torch.int32, device=device))
+    return kept[-1]
 
 
 def long_context(batch: int) -> int:
@@ -463,19 +508,22 @@ def paged_decode(q, kv_cache, block_tables, context_lens, scale, k_scale, v_scal
                          f"of the cache's block_size {bs} (a power of two); got {cfg}")
     part = torch.empty(bsz, hq, s, d, dtype=torch.float32, device=q.device) if s > 1 else out
     lse = torch.empty(bsz, hq, s, dtype=torch.float32, device=q.device) if s > 1 else out
-    _decode_kernel[(bsz, hk, s)](q, kv_cache, block_tables, context_lens, ks, vs, os_, out, part, lse, scale * LOG2E,
+    t = tuning.current()
+    sp = t.decode_max_splits if s <= t.decode_max_splits else next_pow2(max(s, t.decode_max_splits_long))  # two
+    # variants, both built by the decode graphs' warm-ups (an eager mixed step with another split count compiles
+    # nothing mid-run)
+    counters = _counters(q.device, bsz * hk) if s > 1 and bsz * hk <= t.decode_fused_combine_max_pairs else None
+    _decode_kernel[(bsz, hk, s)](q, kv_cache, block_tables, context_lens, ks, vs, os_, out, part, lse,
+                                 out if counters is None else counters, scale * LOG2E,
                                  block_tables.stride(0), kv_cache.stride(0), s, sliding_window or 0,
                                  (logit_softcap or 1.0) * LOG2E, HQ=hq, HKD=hk * d, G=g,
                                  GP=max(16, next_pow2(g)), D=d, BS=bs, BLOCK_N=cfg.block_n, FP8=fp8,
                                  DIRECT=s == 1, QUANT_OUT=out_scale is not None,
                                  BLOCKS=blocks, WINDOW=sliding_window is not None,
-                                 SOFTCAP=logit_softcap is not None, num_warps=cfg.warps, num_stages=cfg.stages,
+                                 SOFTCAP=logit_softcap is not None, COMBINE=counters is not None, SP=sp,
+                                 num_warps=cfg.warps, num_stages=cfg.stages,
                                  **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
-    if s > 1:
-        t = tuning.current()
-        sp = t.decode_max_splits if s <= t.decode_max_splits else next_pow2(max(s, t.decode_max_splits_long))  # two
-        # variants, both built by
-        # the decode graphs' warm-ups (an eager mixed step with another split count compiles nothing mid-run)
+    if s > 1 and counters is None:
         _combine_kernel[(bsz * hq,)](part, lse, context_lens, os_, out, s, sliding_window or 0, HQ=hq, D=d, SP=sp,
                                      BLOCK_N=cfg.block_n, COMBINE_ROWS=min(t.decode_combine_rows, sp),
                                      model_dtype=_tl_dtype(q.dtype), QUANT_OUT=out_scale is not None,
