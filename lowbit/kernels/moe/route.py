@@ -40,7 +40,7 @@ def moe_router(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: b
     """x [T, H], weight [E, H] -> moe_router_ref's (weights, ids, logits), as routes' op "moe_router" runs it."""
     x16 = x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
     if on_gpu(x) and routes.route("moe_router", "dense", x.shape[0], weight.shape[0], weight.shape[1],
-                                  capability(x.device), x16=x16) == "router_topk":
+                                  capability(x.device), x16=x16) == "router_topk" and _counter(x.device) is not None:
         return router_topk(x, weight, top_k, renormalize)
     from lowbit.kernels.linear.dense_gemv import dense_linear
     logits = dense_linear(x, weight)
@@ -48,6 +48,16 @@ def moe_router(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: b
 
 
 _COUNTERS: dict = {}  # device -> int32 [1], zero between launches of router_topk
+
+
+def _counter(device) -> torch.Tensor | None:
+    """router_topk's arrival counter on device, zeroed; None while a CUDA graph is captured before it exists (zeroed
+    memory taken then would belong to the graph's pool): the router then runs as its linear and the top-k kernel."""
+    if device not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool, config=None):
@@ -62,9 +72,9 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: 
     vec = 16 // weight.element_size()
     block_n, block_k, warps = config or gemv_config(e, weight.element_size())
     assert block_k % (vec * 32 * warps) == 0, (block_k, warps)
-    counter = _COUNTERS.get(x.device)
-    if counter is None:  # made at the first call, which warm-up runs outside any CUDA graph capture
-        counter = _COUNTERS[x.device] = torch.zeros(1, dtype=torch.int32, device=x.device)
+    counter = _counter(x.device)
+    if counter is None:
+        raise RuntimeError("router_topk: its first launch on a device must not be inside a CUDA graph capture")
     x, weight = x.contiguous(), weight.contiguous()
     logits = torch.empty(1, e, dtype=x.dtype, device=x.device)
     weights = torch.empty(1, top_k, dtype=torch.float32, device=x.device)
