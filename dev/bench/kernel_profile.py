@@ -23,7 +23,7 @@ from lowbit.serve.runner.context import StepContext  # noqa: E402
 
 GROUPS = (  # (group, substrings of the kernel name), first match wins
     ("attention", ("_decode_kernel", "_combine_kernel", "_prefill")),
-    ("moe", ("_gated_gemv", "_down_combine", "_route_kernel", "_grouped_gemm")),
+    ("moe", ("_gated_gemv", "_gate_up_silu", "_down_combine", "_route_kernel", "_router_topk", "_grouped_gemm")),
     ("rotary_kv_store", ("_rotary_store_kv",)),
     ("kv_store", ("_store_kv",)),
     ("gemm_triton", ("_fp8_small_m", "_w4", "_gemv", "_scaled_gemm", "_int8_gemm", "matmul_kernel")),
