@@ -25,9 +25,9 @@ sweep)
         | cut -c1-300
     ;;
 tests)
-    PYTHONPATH=$PWD timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_moe_gpu.py \
-        tests/test_kernels_moe_decode.py tests/test_dummy_qwen3_moe.py tests/test_gpu_engine_graphs.py \
-        tests/test_route_ties.py tests/test_rotary_kv.py 2>&1 | tee "$OUT/tests.log" \
+    PYTHONPATH=$PWD timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_moe_gpu.py \
+        tests/test_paged_attention.py tests/test_dummy_qwen3_moe.py tests/test_gpu_engine_graphs.py \
+        tests/test_route_ties.py 2>&1 | tee "$OUT/tests.log" \
         | grep -E "passed|failed|Error|assert" | cut -c1-600 | tail -15
     ;;
 checks)
