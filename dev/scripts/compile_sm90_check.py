@@ -26,8 +26,9 @@ def gu(fp8, wt):
 
 def dc(fp8, wt):
     types = dict(a_ptr="*bf16", w_ptr=f"*{wt}", ids_ptr="*i64", wt_ptr="*fp32", ws_ptr="*fp32", as_ptr="*fp32",
-                 out_ptr="*bf16", N="i32", K="i32", stride_a="i32")
-    consts = dict(TOP_K=8, FP8=fp8, VEC=16 if fp8 else 8, BLOCK_N=16, BLOCK_K=1024 if fp8 else 512, EVEN_K=False, PDL=True)
+                 part_ptr="*fp32", cnt_ptr="*i32", out_ptr="*bf16", N="i32", K="i32", stride_a="i32")
+    consts = dict(TOP_K=8, TOP_KP=8, FP8=fp8, VEC=16 if fp8 else 8, BLOCK_N=16, BLOCK_K=1024 if fp8 else 512,
+                  EVEN_K=False, ONE_STEP=fp8, PDL=True)
     return build(dec._down_combine_kernel, types, consts)
 
 def router():

@@ -2,9 +2,11 @@
 
 - gate_up_silu: act[i] = silu(gate) * up of x[i // top_k] @ w13[ids[i]]^T for every (token, slot) pair i, [pairs, I]
   in x's dtype (the GEMV's outputs rounded to x's dtype first, as the GEMV then silu_and_mul).
-- down_combine: out[t] = sum_j weights[t, j] * round(act[t * top_k + j] @ w2[ids[t, j]]^T) in fp32, summed in slot
-  order and rounded once (the per-pair GEMV then the combine); one program owns BLOCK_N output columns of one token
-  and runs over its top_k experts in turn, so the weighted sum never leaves the program.
+- down_combine: out[t] = sum_j weights[t, j] * round(act[t * top_k + j] @ w2[ids[t, j]]^T) in fp32, rounded once (the
+  per-pair GEMV then the combine). One program per (token, column block, slot), as many as the per-pair GEMV has; each
+  stores its rounded row block in fp32 to a workspace and counts its arrival, and the last of a (token, column block)'s
+  top_k programs to arrive sums them with the routing weights and resets the counter to 0 (so the counters are zero
+  at every launch, and CUDA graphs replay it as is).
 
 FP8 experts quantize x with their own static input scale, fp8(clamp(x / a_scale[e], +-448)), and scale the fp32 sum
 by a_scale[e] * w_scale[e, n] (the grouped GEMM's epilogue). Per-token FP8 experts, and INT8 / INT4 / NVFP4 ones, take
@@ -12,15 +14,18 @@ lowbit.kernels.moe.gemv.
 
 Layout as lowbit.kernels.linear.dense_gemv: a K step is C = BLOCK_K / VEC chunks of VEC = 16 bytes of elements per
 row; a thread holds every row of its chunks (one 16-byte .cg load per row and chunk, one x load per chunk shared by
-the rows), and the next step's weights load while this one is computed. down_combine's steps run over (slot, K step)
-pairs, so the next expert's first weights load while this expert's last step is computed; its ids and first weights
-load before the PDL wait (the router that wrote the ids finished before the kernel in between began).
+the rows), and the next step's weights load while this one is computed. down_combine loads its expert id and first
+weights before the PDL wait (the router that wrote the ids finished before the kernel in between began).
 """
 import torch
 
 from lowbit.kernels import tuning
-from lowbit.kernels._triton import (cdiv, early_kernel, helper, kernel, load_streamed, tl, use_triton,
+from lowbit.kernels.linear import scratch
+from lowbit.kernels._triton import (cdiv, early_kernel, helper, kernel, load_streamed, next_pow2, tl, use_triton,
                                     wait_for_producers)
+
+COUNTER_SLOTS = 65536  # (token, column block) pairs of one launch
+_COUNTERS: dict = {}  # device -> int32 [COUNTER_SLOTS], zero between launches
 
 
 def decode_config(projection: str, element_size: int, config: tuple | None = None) -> tuple[int, int, int]:
@@ -62,9 +67,10 @@ def gate_up_silu(x, w13, ids, top_k: int, w_scale=None, a_scale=None, config=Non
     return out
 
 
-def down_combine(act, w2, ids, weights, w_scale=None, a_scale=None, config=None) -> torch.Tensor:
+def down_combine(act, w2, ids, weights, w_scale=None, a_scale=None, config=None) -> torch.Tensor | None:
     """act [T * top_k, I] (pair order), w2 [E, H, I] (act's dtype, or FP8 as gate_up_silu's), ids / weights
-    [T, top_k] -> sum_j weights[t, j] * round(act[t * top_k + j] @ w2[ids[t, j]]^T), [T, H] in act's dtype."""
+    [T, top_k] -> sum_j weights[t, j] * round(act[t * top_k + j] @ w2[ids[t, j]]^T), [T, H] in act's dtype; None
+    while a CUDA graph is captured and the workspace is too small (memory taken then would belong to the graph)."""
     assert use_triton(act)
     fp8, (ws, a_s), flat = _check(act, w2, ids, w_scale, a_scale)
     t, top_k = ids.shape
@@ -72,11 +78,28 @@ def down_combine(act, w2, ids, weights, w_scale=None, a_scale=None, config=None)
     block_n, block_k, warps = decode_config("down", w2.element_size(), config)
     vec = 16 // w2.element_size()
     assert block_k % (vec * 32 * warps) == 0, (block_k, warps)
+    if t * cdiv(n, block_n) > COUNTER_SLOTS:
+        raise ValueError(f"moe decode: {t} tokens x {cdiv(n, block_n)} column blocks past {COUNTER_SLOTS} counters")
+    partials, counters = _workspace(act.device, t * top_k * n)
+    if partials is None:
+        return None
     out = torch.empty(t, n, dtype=act.dtype, device=act.device)
-    _down_combine_kernel[(t, cdiv(n, block_n))](
-        act, w2, flat, weights.float().contiguous(), ws, a_s, out, n, kdim, act.stride(0), TOP_K=top_k, FP8=fp8,
-        VEC=vec, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=kdim % block_k == 0, num_warps=warps)
+    _down_combine_kernel[(t, cdiv(n, block_n), top_k)](
+        act, w2, flat, weights.float().contiguous(), ws, a_s, partials, counters, out, n, kdim, act.stride(0),
+        TOP_K=top_k, TOP_KP=next_pow2(top_k), FP8=fp8, VEC=vec, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=kdim % block_k == 0, ONE_STEP=kdim <= block_k, num_warps=warps)
     return out
+
+
+def _workspace(device, floats: int):
+    """(fp32 partials >= floats, int32 counters [COUNTER_SLOTS], zero), or (None, None) while a CUDA graph is being
+    captured and either would have to be made."""
+    partials = scratch.grown("moe decode partials", device, torch.float32, floats)
+    if device not in _COUNTERS:
+        if partials is None or device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None, None
+        _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return partials, _COUNTERS[device]
 
 
 @helper
@@ -131,40 +154,49 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, ids_ptr, ws_ptr, as_ptr, out_ptr, N, K, s
 
 
 @early_kernel
-def _down_combine_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, ws_ptr, as_ptr, out_ptr, N, K, stride_a,
-                         TOP_K: tl.constexpr, FP8: tl.constexpr, VEC: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    """Program (token t, j): output columns j * BLOCK_N + r of token t, over its TOP_K experts in slot order."""
+def _down_combine_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, ws_ptr, as_ptr, part_ptr, cnt_ptr, out_ptr, N, K, stride_a,
+                         TOP_K: tl.constexpr, TOP_KP: tl.constexpr, FP8: tl.constexpr, VEC: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_STEP: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Program (token t, column block j, slot s): columns j * BLOCK_N + r of pair t * TOP_K + s, rounded, into the
+    partials [T * TOP_K, N] fp32; the last of the TOP_K slots of (t, j) to arrive writes out[t] there."""
     C: tl.constexpr = BLOCK_K // VEC
     tok = tl.program_id(0).to(tl.int64)
+    pair = tok * TOP_K + tl.program_id(2)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     kk = (VEC * tl.arange(0, C))[:, None, None] + tl.arange(0, VEC)[None, None, :]  # [C, 1, VEC]
-    rows = w_ptr + n_rows[None, :, None] * K + kk  # [C, BN, VEC] of expert 0
-    n_steps = tl.cdiv(K, BLOCK_K)
-    expert = tl.load(ids_ptr + tok * TOP_K, cache_modifier=".cg").to(tl.int64)
-    w = load_streamed(rows + expert * N * K, kk < K, not EVEN_K)
+    expert = tl.load(ids_ptr + pair, cache_modifier=".cg").to(tl.int64)
+    w_ptrs = w_ptr + expert * N * K + n_rows[None, :, None] * K + kk  # [C, BN, VEC]
+    w = load_streamed(w_ptrs, kk < K, not EVEN_K)
+    a_scale = 1.0
+    if FP8:
+        a_scale = tl.load(as_ptr + expert)
     wait_for_producers(PDL)
+    a_row = a_ptr + pair * stride_a
     acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for s in range(0, TOP_K * n_steps):  # s = slot * n_steps + K step
-        slot = s // n_steps
-        k0 = (s - slot * n_steps) * BLOCK_K
-        s_next = tl.minimum(s + 1, TOP_K * n_steps - 1)  # the last step reloads itself
-        slot_next = s_next // n_steps
-        k_next = (s_next - slot_next * n_steps) * BLOCK_K
-        expert_next = tl.load(ids_ptr + tok * TOP_K + slot_next, cache_modifier=".cg").to(tl.int64)
-        w_next = load_streamed(rows + expert_next * N * K + k_next, k_next + kk < K, not EVEN_K)
-        a_scale = 1.0
-        if FP8:
-            a_scale = tl.load(as_ptr + expert)
-        xs = quantized_chunk(a_ptr + (tok * TOP_K + slot) * stride_a, k0 + kk, k0 + kk < K, a_scale, FP8)
+    n_steps = tl.cdiv(K, BLOCK_K)
+    for kb in range(0, n_steps):
+        k0 = kb * BLOCK_K
+        if not ONE_STEP:
+            k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
+            w_next = load_streamed(w_ptrs + k_next, k_next + kk < K, not EVEN_K)
+        xs = quantized_chunk(a_row, k0 + kk, k0 + kk < K, a_scale, FP8)
         acc += tl.sum(w.to(tl.float32) * xs, axis=2)
-        if k0 + BLOCK_K >= K:  # this expert's last step: its row, rounded, joins the weighted sum
-            y = tl.sum(acc, axis=0)
-            if FP8:
-                y = y * a_scale * tl.load(ws_ptr + expert * N + n_rows)
-            total += tl.load(wt_ptr + tok * TOP_K + slot) * y.to(out_ptr.dtype.element_ty).to(tl.float32)
-            acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
-        w, expert = w_next, expert_next
-    tl.store(out_ptr + tok * N + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+        if not ONE_STEP:
+            w = w_next
+    y = tl.sum(acc, axis=0)
+    if FP8:
+        y = y * a_scale * tl.load(ws_ptr + expert * N + n_rows)
+    col_ok = offs_n < N
+    tl.store(part_ptr + pair * N + offs_n, y.to(out_ptr.dtype.element_ty).to(tl.float32), mask=col_ok)
+    tl.debug_barrier()  # every thread's partial is stored before the (release) arrival below
+    counter = cnt_ptr + tok * tl.num_programs(1) + tl.program_id(1)
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == TOP_K - 1:
+        slots = tl.arange(0, TOP_KP)
+        rows = tl.load(part_ptr + (tok * TOP_K + slots)[:, None] * N + offs_n[None, :],
+                       mask=(slots < TOP_K)[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg")
+        wts = tl.load(wt_ptr + tok * TOP_K + slots, mask=slots < TOP_K, other=0.0)
+        tl.store(out_ptr + tok * N + offs_n, tl.sum(rows * wts[:, None], axis=0).to(out_ptr.dtype.element_ty),
+                 mask=col_ok)
+        tl.store(counter, 0)  # every slot has arrived: zero again for the next launch

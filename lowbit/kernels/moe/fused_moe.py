@@ -150,7 +150,11 @@ def fused_moe_triton(x, w13, w2, topk_ids, topk_weights, block_m: int = BLOCK_M,
                             x16=x.dtype in (torch.bfloat16, torch.float16))
     if path == "moe_decode":
         s13, s2 = _projections(fp8, int4, nvfp4, int8)
-        return down_combine(gate_up_silu(x, w13, topk_ids, k, *s13), w2, topk_ids, topk_weights, *s2)
+        act = gate_up_silu(x, w13, topk_ids, k, *s13)
+        out = down_combine(act, w2, topk_ids, topk_weights, *s2)
+        if out is not None:
+            return out
+        return combine(_gemv_projection(act, w2, topk_ids, 1, kind, *s2), topk_weights)  # no workspace in a capture
     run = _gemv_projection if path == "moe_gemv" else _grouped_projection(topk_ids, w13.shape[0], block_m)
     s13, s2 = _projections(fp8, int4, nvfp4, int8)
     gate_up = run(x, w13, topk_ids, k, kind, *s13)
