@@ -108,8 +108,9 @@ def test_broken_int4_scales_fail():
 
 def test_moe_routes_pick_gemv_at_few_pairs():
     most = tuning.current().moe_gemv_max_pairs  # the table route() reads, per expert kind
-    pick = [routes.route("moe", kind, pairs, 1536, 2048, HOPPER) for kind in routes.MOE_KINDS
-            for pairs in (8, most[kind], most[kind] + 1)]
+    with tuning.override(moe_decode_max_pairs=0):  # without the fused decode path (test_kernels_moe_decode's)
+        pick = [routes.route("moe", kind, pairs, 1536, 2048, HOPPER) for kind in routes.MOE_KINDS
+                for pairs in (8, most[kind], most[kind] + 1)]
     assert pick == ["moe_gemv", "moe_gemv", "moe_grouped"] * len(routes.MOE_KINDS)
     with tuning.override(moe_gemv_max_pairs={**most, "int4": 8}):
         assert routes.route("moe", "int4", 16, 1536, 2048, HOPPER) == "moe_grouped"
