@@ -126,7 +126,7 @@ MOE = (
 # how a MoE router (16-bit weight [E, H], no bias) picks each token's experts (lowbit.kernels.moe.route): at one
 # token its GEMV and the top-k in one launch, else the linear then the top-k kernel
 MOE_ROUTER = (
-    Row(("dense",), lambda c, t: c.on((0, 0)) and c.m == 1 and c.x16, "router_topk"),
+    Row(("dense",), lambda c, t: c.on((0, 0)) and c.m == 1 <= t.moe_router_topk_max_tokens and c.x16, "router_topk"),
     Row(("dense",), lambda c, t: True, "linear_then_route"),
 )
 TABLES = {"linear": LINEAR, "zero_point": ZERO_POINT, "moe": MOE, "moe_router": MOE_ROUTER}

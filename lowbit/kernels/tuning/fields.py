@@ -87,5 +87,6 @@ class Tuning:
     # (BLOCK_N, weight bytes per row and K step, num_warps); routes op "moe" takes it up to moe_decode_max_pairs
     moe_decode_config: Mapping = field(default_factory=lambda: frozen({"gate_up": (8, 2048, 4), "down": (16, 1024, 2)}))
     moe_decode_max_pairs: int = 64
+    moe_router_topk_max_tokens: int = 1  # routes op "moe_router": the router's GEMV and top-k in one launch (0: off)
     # split decode merges its partials in its last split to arrive (no combine launch) up to this batch x KV heads
     decode_fused_combine_max_pairs: int = 1 << 16
