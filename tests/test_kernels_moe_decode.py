@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from lowbit.kernels import routes  # noqa: E402
+from lowbit.kernels import routes, tuning  # noqa: E402
 from lowbit.kernels._triton import interpreting  # noqa: E402
 from lowbit.kernels.moe.decode import down_combine, gate_up_silu  # noqa: E402
 from lowbit.kernels.moe.fused_moe import combine_ref, expert_linear_ref, fused_moe_ref, fused_moe_triton  # noqa: E402
@@ -117,6 +117,13 @@ def test_router_topk_refuses_more_than_one_token():
 
 
 def test_routes_send_decode_experts_and_routers_to_the_fused_kernels():
+    with tuning.override(moe_decode_max_pairs=64, moe_router_topk_max_tokens=1):
+        check_fused_routes()
+    off = [routes.route("moe", "fp8", 8, 1536, 2048, (9, 0)), routes.route("moe_router", "dense", 1, 128, 2048, (9, 0))]
+    assert off == ["moe_gemv", "linear_then_route"]  # the tables' values: off (lowbit/kernels/tuning/sm90.py)
+
+
+def check_fused_routes():
     hopper = (9, 0)
     for kind in ("dense", "fp8"):
         assert routes.route("moe", kind, 8, 1536, 2048, hopper) == "moe_decode"

@@ -61,8 +61,8 @@ def test_gpu_fused_moe_matches_reference(fmt, path, t):
 def test_gpu_moe_decode_matches_reference(fmt, t, config):
     """lowbit.kernels.moe.decode (SiLU in gate/up, the combine in down) at the Tuning's tiles and others (K in one
     step or several)."""
-    table = tuning.current().moe_decode_config
-    with tuning.override(moe_decode_config=tuning.frozen(dict(zip(("gate_up", "down"), config))) if config else table):
+    table = tuning.frozen(dict(zip(("gate_up", "down"), config))) if config else tuning.current().moe_decode_config
+    with tuning.override(moe_decode_config=table):
         check(fmt, "moe_decode", t)
 
 

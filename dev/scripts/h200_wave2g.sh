@@ -1,6 +1,7 @@
 #!/bin/bash
 # Qwen3-MoE batch-1 decode on the GPU machine, from the repository root (MoE decode path: gate/up + SiLU and down +
-# combine in two launches; the router's GEMV + top-k in one):
+# combine in two launches; the router's GEMV + top-k in one; the decode kernel's own split combine):
+#   bash dev/scripts/h200_wave2g.sh on        # switch those on in sm90.py (this copy of the tree: main has them off)
 #   bash dev/scripts/h200_wave2g.sh sweep     # dev/bench/moe_decode_sweep.py: the new kernels' tiles, old vs new
 #   bash dev/scripts/h200_wave2g.sh tests     # the MoE, route and graph GPU tests
 #   bash dev/scripts/h200_wave2g.sh checks    # engine checks: Qwen3-MoE (5 formats)
@@ -20,6 +21,13 @@ decode() {  # decode LABEL DIR: the lowbit package under DIR
 for step in "$@"; do
 echo "=== $step $(date -u +%H:%M:%S)"
 case "$step" in
+on)
+    sed -i -e 's/^    moe_decode_max_pairs=0,/    moe_decode_max_pairs=64,/' \
+        -e 's/^    moe_router_topk_max_tokens=0,/    moe_router_topk_max_tokens=1,/' \
+        -e 's/^    decode_fused_combine_max_pairs=0,/    decode_fused_combine_max_pairs=65536,/' lowbit/kernels/tuning/sm90.py
+    grep -nE "^    (moe_decode_max_pairs|moe_router_topk_max_tokens|decode_fused_combine_max_pairs)=" \
+        lowbit/kernels/tuning/sm90.py
+    ;;
 sweep)
     PYTHONPATH=$PWD timeout 420 python3 dev/bench/moe_decode_sweep.py 2>&1 | tee "$OUT/sweep.log" | grep -v '^\[lowbit\]' \
         | cut -c1-300

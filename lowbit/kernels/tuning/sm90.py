@@ -51,6 +51,11 @@ SM90 = Tuning(
     # INT4's BLOCK_K is cut to divide the group
     moe_gemv_config=frozen({"dense": (8, 256, 2, 1), "fp8": (16, 256, 4, 1), "int8": (64, 128, 4, 1),
                             "int4": (32, 128, 4, 1), "nvfp4": (16, 128, 2, 1)}),
+    # The fused decode launches (moe.decode's two MoE launches, router_topk, the decode kernel's own split combine)
+    # stay off until measured on an H200 (`bash dev/scripts/h200_wave2g.sh ...` switches them on in its copy).
+    moe_decode_max_pairs=0,
+    moe_router_topk_max_tokens=0,
+    decode_fused_combine_max_pairs=0,
     int8_small_m_max_m=32,
     # One FP8 row: fp8_gemv is faster on qkv (4096->6144, 8.2 vs 9.9 us) and even on o; gate_up and down stay faster
     # on fp8_small_m / cuBLAS (33.8 vs 30.5 us, 21.8 vs 18.1).
