@@ -43,11 +43,12 @@ def test_every_kernel_waits_for_its_producers(name, k):
 
 
 def test_only_the_gemvs_launch_early():
-    """The GEMVs (M = 1 W4 and bf16 / FP8, INT8 at 1-8 rows) load their first weight step before they wait. Other
-    kernels launch early only inside all_kernels_early (the decode graphs of batch 1-2): at batch 4-256 that
-    measured slower (serve_gpu_notes.md)."""
+    """The GEMVs (M = 1 W4 and bf16 / FP8, INT8 at 1-8 rows, the MoE decode path's down GEMV, the one-token router)
+    load their first weight step before they wait. Other kernels launch early only inside all_kernels_early (the
+    decode graphs of batch 1-2): at batch 4-256 that measured slower (serve_gpu_notes.md)."""
     assert {n for n, k in KERNELS if k.launch_early} == {"w4_gemv._w4_gemv_kernel", "dense_gemv._dense_gemv_kernel",
-                                                         "int8_gemv._int8_gemv_kernel"}
+                                                         "int8_gemv._int8_gemv_kernel", "decode._down_combine_kernel",
+                                                         "route._router_topk_kernel"}
 
 
 @pytest.mark.parametrize("make", [_triton.kernel, _triton.early_kernel])
