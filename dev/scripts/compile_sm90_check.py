@@ -34,7 +34,9 @@ def dc(fp8, wt):
 def router():
     types = dict(x_ptr="*bf16", w_ptr="*bf16", logits_ptr="*bf16", cnt_ptr="*i32", wout_ptr="*fp32", ids_ptr="*i64",
                  E="i32", K="i32")
-    consts = dict(TOP_K=8, RENORM=True, VEC=8, BLOCK_N=4, BLOCK_K=1024, BLOCK_E=128, BLOCK_TK=8, EVEN_K=True, PDL=True)
+    consts = dict(TOP_K=8, RENORM=True, VEC=8, BLOCK_N=4, BLOCK_K=1024, BLOCK_E=128, BLOCK_TK=8, EVEN_K=True,
+                  ONE_STEP=False,
+                  PDL=True)
     return build(rt._router_topk_kernel, types, consts)
 
 for name, f in [("gate_up fp8", lambda: gu(True, "fp8e4nv")), ("gate_up bf16", lambda: gu(False, "bf16")),

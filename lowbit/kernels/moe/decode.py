@@ -111,6 +111,25 @@ def quantized_chunk(x_ptr, offs, mask, a_scale, FP8: tl.constexpr):
     return xs
 
 
+@helper
+def rows_dot_x(w, w_ptrs, x_row, kk, K, a_scale, FP8: tl.constexpr, C: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ONE_STEP: tl.constexpr):
+    """[BLOCK_N] fp32 sums of the weight rows at w_ptrs ([C, BN, VEC], kk their K offsets [C, 1, VEC]; w: the first
+    step, already loaded) times x_row (quantized_chunk's), the next step's weights loaded during this one's math."""
+    acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
+    n_steps = tl.cdiv(K, BLOCK_K)
+    for kb in range(0, n_steps):
+        k0 = kb * BLOCK_K
+        if not ONE_STEP:
+            k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
+            w_next = load_streamed(w_ptrs + k_next, k_next + kk < K, not EVEN_K)
+        xs = quantized_chunk(x_row, k0 + kk, k0 + kk < K, a_scale, FP8)
+        acc += tl.sum(w.to(tl.float32) * xs, axis=2)
+        if not ONE_STEP:
+            w = w_next
+    return tl.sum(acc, axis=0)
+
+
 @kernel
 def _gate_up_silu_kernel(x_ptr, w_ptr, ids_ptr, ws_ptr, as_ptr, out_ptr, N, K, stride_x, TOP_K: tl.constexpr,
                          FP8: tl.constexpr, VEC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -129,19 +148,8 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, ids_ptr, ws_ptr, as_ptr, out_ptr, N, K, s
         a_scale = tl.load(as_ptr + expert)
     w_ptrs = w_ptr + expert * N * K + n_rows[None, :, None] * K + kk  # [C, BN, VEC]
     x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_x
-    acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
     w = load_streamed(w_ptrs, kk < K, not EVEN_K)
-    n_steps = tl.cdiv(K, BLOCK_K)
-    for kb in range(0, n_steps):
-        k0 = kb * BLOCK_K
-        if not ONE_STEP:
-            k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
-            w_next = load_streamed(w_ptrs + k_next, k_next + kk < K, not EVEN_K)
-        xs = quantized_chunk(x_row, k0 + kk, k0 + kk < K, a_scale, FP8)
-        acc += tl.sum(w.to(tl.float32) * xs, axis=2)
-        if not ONE_STEP:
-            w = w_next
-    y = tl.sum(acc, axis=0)
+    y = rows_dot_x(w, w_ptrs, x_row, kk, K, a_scale, FP8, C, BLOCK_N, BLOCK_K, EVEN_K, ONE_STEP)
     if FP8:
         y = y * a_scale * tl.load(ws_ptr + expert * N + n_rows)
     pair_rows = tl.reshape(y.to(out_ptr.dtype.element_ty).to(tl.float32), (2, HALF))  # [gate, up] x HALF
@@ -173,19 +181,7 @@ def _down_combine_kernel(a_ptr, w_ptr, ids_ptr, wt_ptr, ws_ptr, as_ptr, part_ptr
     if FP8:
         a_scale = tl.load(as_ptr + expert)
     wait_for_producers(PDL)
-    a_row = a_ptr + pair * stride_a
-    acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
-    n_steps = tl.cdiv(K, BLOCK_K)
-    for kb in range(0, n_steps):
-        k0 = kb * BLOCK_K
-        if not ONE_STEP:
-            k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
-            w_next = load_streamed(w_ptrs + k_next, k_next + kk < K, not EVEN_K)
-        xs = quantized_chunk(a_row, k0 + kk, k0 + kk < K, a_scale, FP8)
-        acc += tl.sum(w.to(tl.float32) * xs, axis=2)
-        if not ONE_STEP:
-            w = w_next
-    y = tl.sum(acc, axis=0)
+    y = rows_dot_x(w, w_ptrs, a_ptr + pair * stride_a, kk, K, a_scale, FP8, C, BLOCK_N, BLOCK_K, EVEN_K, ONE_STEP)
     if FP8:
         y = y * a_scale * tl.load(ws_ptr + expert * N + n_rows)
     col_ok = offs_n < N

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from lowbit.kernels import routes
 from lowbit.kernels._triton import (capability, cdiv, early_kernel, helper, kernel, load_streamed, next_pow2, on_gpu,
                                     tl, wait_for_producers)
+from lowbit.kernels.moe.decode import rows_dot_x
 
 
 def moe_route_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +82,8 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: 
     ids = torch.empty(1, top_k, dtype=torch.int64, device=x.device)
     _router_topk_kernel[(cdiv(e, block_n),)](
         x, weight, logits, counter, weights, ids, e, h, TOP_K=top_k, RENORM=renormalize, VEC=vec, BLOCK_N=block_n,
-        BLOCK_K=block_k, BLOCK_E=next_pow2(e), BLOCK_TK=next_pow2(top_k), EVEN_K=h % block_k == 0, num_warps=warps)
+        BLOCK_K=block_k, BLOCK_E=next_pow2(e), BLOCK_TK=next_pow2(top_k), EVEN_K=h % block_k == 0,
+        ONE_STEP=h <= block_k, num_warps=warps)
     return weights, ids, logits
 
 
@@ -137,25 +139,18 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr, 
 @early_kernel
 def _router_topk_kernel(x_ptr, w_ptr, logits_ptr, cnt_ptr, wout_ptr, ids_ptr, E, K, TOP_K: tl.constexpr,
                         RENORM: tl.constexpr, VEC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr, EVEN_K: tl.constexpr, ONE_STEP: tl.constexpr,
+                        PDL: tl.constexpr):
     """Program j: logits of experts j * BLOCK_N + r; the last program to arrive: the top-k of all E."""
     C: tl.constexpr = BLOCK_K // VEC
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_rows = tl.minimum(offs_n, E - 1).to(tl.int64)
     kk = (VEC * tl.arange(0, C))[:, None, None] + tl.arange(0, VEC)[None, None, :]  # [C, 1, VEC]
     w_ptrs = w_ptr + n_rows[None, :, None] * K + kk  # [C, BN, VEC]
-    acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
-    n_steps = tl.cdiv(K, BLOCK_K)
     w = load_streamed(w_ptrs, kk < K, not EVEN_K)
     wait_for_producers(PDL)
-    for kb in range(0, n_steps):
-        k0 = kb * BLOCK_K
-        k_next = tl.minimum(kb + 1, n_steps - 1) * BLOCK_K  # the last step reloads itself
-        w_next = load_streamed(w_ptrs + k_next, k_next + kk < K, not EVEN_K)
-        xs = tl.load(x_ptr + k0 + kk, mask=k0 + kk < K, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * xs.to(tl.float32), axis=2)
-        w = w_next
-    tl.store(logits_ptr + offs_n, tl.sum(acc, axis=0).to(logits_ptr.dtype.element_ty), mask=offs_n < E)
+    y = rows_dot_x(w, w_ptrs, x_ptr, kk, K, 1.0, False, C, BLOCK_N, BLOCK_K, EVEN_K, ONE_STEP)
+    tl.store(logits_ptr + offs_n, y.to(logits_ptr.dtype.element_ty), mask=offs_n < E)
     tl.debug_barrier()  # every thread's logits are stored before the (release) arrival below
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) - 1:
